@@ -1,0 +1,51 @@
+"""The ``pipetrain`` command: subcommands that parse arguments and call the library.
+
+Each subcommand lives in its own module here with a ``register(subparsers)`` function that
+adds its parser and sets ``func`` (called with the parsed namespace, returns an exit code).
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from ..errors import PipetrainError
+
+SUBCOMMANDS = ["profile", "plan", "simulate", "train"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pipetrain",
+        description="Pipeline-parallel training: profile a model, plan its stages, simulate and run schedules.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        try:
+            mod = importlib.import_module(f"{__name__}.{name}_cmd")
+        except ModuleNotFoundError as e:  # a subcommand still being written
+            if e.name != f"{__name__}.{name}_cmd":
+                raise
+            continue
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except PipetrainError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
