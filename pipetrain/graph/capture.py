@@ -1,0 +1,634 @@
+"""Capture a live ``nn.Module`` as a :class:`LayerGraph` plus an executable fx ``GraphModule``.
+
+Two tracers are tried in order:
+
+1. ``torch.fx.symbolic_trace``: keeps ``torch.nn`` modules as leaves, so a layer of the graph
+   is a whole ``Conv2d`` / ``Linear`` / ``LSTM`` call (what PipeDream profiles);
+2. ``torch.export.export(model, args, strict=False)`` + ``ep.module()``: an unlifted
+   GraphModule of ATen ops that read parameters through ``get_attr`` nodes. It handles models
+   fx cannot trace (Hugging Face models, code that inspects shapes). The batch dimension is
+   exported as dynamic (``Dim.AUTO``) when possible, so the graph runs on any micro-batch size.
+
+Then a shape-propagation pass runs the GraphModule on the example inputs and records every
+node's output :class:`TensorMeta` (tuples, lists and dicts of tensors are flattened;
+non-tensor outputs such as sizes record no bytes).
+
+Correspondence between the two views (the runtime relies on it):
+
+* every LayerGraph node name is the name of a node of ``CapturedModel.gm`` (placeholders,
+  ``call_module``, ``call_function``, ``call_method``);
+* the gm nodes that are *not* LayerGraph nodes are ``get_attr`` nodes (folded into the nodes
+  that read them, see ``CapturedModel.folded_attributes``) and the ``output`` node;
+* parameter and buffer bytes are counted exactly once over the graph: at the leaf module that
+  owns them, or at the first node (topological order) that reads them through ``get_attr``.
+  Tensors read by several nodes (tied weights) are listed in ``shared_parameters``; tensors
+  no node reads are counted at the first non-input node and listed in ``unused_parameters``.
+  So ``graph.parameter_bytes == model_parameter_bytes(model)`` always.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import operator
+import os
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Sequence
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from ..errors import CaptureError
+from .types import LayerGraph, LayerNode, TensorMeta
+
+__all__ = [
+    "CapturedModel", "SharedParameter", "capture", "model_parameter_bytes", "tensor_metas",
+    "node_op_name", "is_inplace_node",
+]
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# Ops that only check invariants (they return None and feed nothing). They are removed from
+# the captured graph: they are not layers and would only clutter the planner's cut points.
+_ASSERT_OP_NAMES = {
+    "_assert", "_assert_is_none", "_assert_tensor_metadata", "_assert_scalar", "_assert_async",
+    "sym_constrain_range", "sym_constrain_range_for_size", "_functional_assert_scalar",
+    "_functional_assert_async",
+}
+_INPLACE_OPERATORS = {
+    operator.iadd, operator.iand, operator.ifloordiv, operator.ilshift, operator.imod,
+    operator.imul, operator.imatmul, operator.ior, operator.ipow, operator.irshift,
+    operator.isub, operator.itruediv, operator.ixor, operator.setitem,
+}
+# Loggers that print diagnostics while a tracer fails; we report the failure ourselves.
+_NOISY_LOGGERS = (
+    "torch.fx.experimental.symbolic_shapes", "torch._export", "torch.export",
+    "torch._dynamo", "torch._subclasses.fake_tensor",
+)
+
+
+@dataclass
+class SharedParameter:
+    """A parameter or buffer read by several graph nodes (tied weights).
+
+    Its bytes are counted once, at ``nodes[0]``. A pipeline cut between two of ``nodes``
+    would need the tensor on two stages; the runtime refuses such plans.
+
+    Attributes:
+        names: qualified names (``lm_head.weight``) under which the model holds the tensor.
+        nodes: LayerGraph node names that read it, in topological order (two or more).
+        nbytes: the tensor's size in bytes.
+    """
+
+    names: list[str]
+    nodes: list[str]
+    nbytes: int
+
+
+@dataclass
+class CapturedModel:
+    """A model captured as a layer graph plus its executable GraphModule.
+
+    Attributes:
+        graph: the torch-free :class:`LayerGraph` (node names equal ``gm`` node names).
+        gm: the executable ``torch.fx.GraphModule``; calling it like the model gives the
+            model's output (for ``method == "export"`` with the model's output structure).
+        method: ``"fx"`` (``torch.fx.symbolic_trace``) or ``"export"`` (``torch.export``).
+        input_names: names of the placeholder nodes, in the order of the model's inputs.
+        output_names: names of the nodes whose values form the model's output.
+        shared_parameters: tensors read by more than one node (see :class:`SharedParameter`).
+        node_parameters: for each node with parameter bytes, the qualified names of the
+            parameters/buffers counted at that node.
+        folded_attributes: for each ``get_attr`` node of ``gm``, the LayerGraph nodes that
+            read it (a stage that runs one of them needs that attribute).
+        unused_parameters: qualified names of model parameters/buffers no node reads (their
+            bytes are counted at the first non-input node).
+    """
+
+    graph: LayerGraph
+    gm: torch.fx.GraphModule
+    method: str
+    input_names: list[str]
+    output_names: list[str]
+    shared_parameters: list[SharedParameter] = field(default_factory=list)
+    node_parameters: dict[str, list[str]] = field(default_factory=dict)
+    folded_attributes: dict[str, list[str]] = field(default_factory=dict)
+    unused_parameters: list[str] = field(default_factory=list)
+
+
+# --------------------------------------------------------------------------- small helpers
+
+
+def _as_tuple(example_inputs: Any) -> tuple[Any, ...]:
+    if isinstance(example_inputs, torch.Tensor):
+        return (example_inputs,)
+    if isinstance(example_inputs, list):
+        return tuple(example_inputs)
+    if isinstance(example_inputs, tuple):
+        return example_inputs
+    raise CaptureError(
+        f"example_inputs must be a Tensor or a tuple of model inputs, got {type(example_inputs).__name__}; "
+        "pass the positional arguments of the model's forward as a tuple"
+    )
+
+
+def tensor_metas(value: Any) -> list[TensorMeta]:
+    """Metadata of every tensor in ``value`` (nested tuples/lists/dicts flattened)."""
+    return [
+        TensorMeta(tuple(int(d) for d in t.shape), str(t.dtype).replace("torch.", ""))
+        for t in pytree.tree_leaves(value)
+        if isinstance(t, torch.Tensor)
+    ]
+
+
+def _describe_inputs(inputs: Sequence[Any]) -> str:
+    parts = []
+    for x in inputs:
+        if isinstance(x, torch.Tensor):
+            parts.append(f"{list(x.shape)} {str(x.dtype).replace('torch.', '')}")
+        else:
+            parts.append(type(x).__name__)
+    return ", ".join(parts) or "no inputs"
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _named_tensors(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
+    """Every (qualified name, tensor) of parameters and buffers, aliases included."""
+    yield from module.named_parameters(prefix=prefix, remove_duplicate=False)
+    yield from module.named_buffers(prefix=prefix, remove_duplicate=False)
+
+
+def model_parameter_bytes(model: nn.Module) -> int:
+    """Exact bytes of a model's parameters and buffers (each tensor counted once)."""
+    seen: dict[int, torch.Tensor] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        seen.setdefault(id(t), t)
+    return sum(_tensor_bytes(t) for t in seen.values())
+
+
+def _first_line(exc: BaseException, limit: int = 240) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[0].strip() if text else ""
+    line = f"{type(exc).__name__}: {line}" if line else type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _user_location(exc: BaseException) -> str | None:
+    """``file:line in func: `code``` of the innermost frame outside torch and this package."""
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith(_TORCH_DIR)
+        and not os.path.abspath(f.filename).startswith(_THIS_DIR)
+        and not f.filename.startswith("<")
+        and "/contextlib.py" not in f.filename
+    ]
+    if not frames:
+        return None
+    f = frames[-1]
+    code = (f.line or "").strip()
+    where = f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+    return f"{where}: `{code}`" if code else where
+
+
+def _describe_failure(exc: BaseException) -> str:
+    loc = _user_location(exc)
+    return f"{_first_line(exc)} (at {loc})" if loc else _first_line(exc)
+
+
+@contextlib.contextmanager
+def _quiet_tracing() -> Iterator[None]:
+    """Silence the diagnostics torch prints to stderr while a trace fails."""
+    saved = {}
+    for name in _NOISY_LOGGERS:
+        lg = logging.getLogger(name)
+        saved[name] = lg.level
+        lg.setLevel(logging.CRITICAL)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            yield
+    finally:
+        for name, level in saved.items():
+            logging.getLogger(name).setLevel(level)
+
+
+class BufferSnapshot:
+    """A copy of a model's buffers, to undo batch-norm statistic updates of extra passes."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._saved = [(b, b.detach().clone()) for b in model.buffers()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for b, v in self._saved:
+                b.copy_(v)
+
+
+@contextlib.contextmanager
+def preserved_state(model: nn.Module, devices: Sequence[torch.device] = ()) -> Iterator[BufferSnapshot]:
+    """Run a block that executes ``model`` without changing its buffers or the global RNG.
+
+    Shape propagation and profiling run the model; batch norm would otherwise update its
+    running statistics and dropout would advance the user's random stream. The yielded
+    snapshot can also be restored in between passes.
+    """
+    snap = BufferSnapshot(model)
+    cuda_devices = sorted({d.index or 0 for d in devices if d.type == "cuda"})
+    with torch.random.fork_rng(devices=cuda_devices, enabled=True):
+        try:
+            yield snap
+        finally:
+            snap.restore()
+
+
+# --------------------------------------------------------------------------- node naming
+
+
+def node_op_name(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None) -> str:
+    """Short human description of a node: a module's one-line repr or a function's name."""
+    if node.op == "placeholder":
+        return "Input"
+    if node.op == "call_module" and gm is not None:
+        mod = gm.get_submodule(str(node.target))
+        extra = mod.extra_repr().replace("\n", " ")
+        return f"{type(mod).__name__}({extra})"
+    if node.op == "call_method":
+        return str(node.target)
+    if node.op == "call_function":
+        t = node.target
+        if isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            return str(t)  # aten.addmm.default
+        return getattr(t, "__name__", str(t))
+    return str(node.target)
+
+
+def _function_target(node: torch.fx.Node) -> str:
+    t = node.target
+    if node.op == "call_method":
+        return f"Tensor.{t}"
+    if isinstance(t, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return str(t)
+    try:
+        return torch.fx.node._get_qualified_name(t)  # type: ignore[arg-type]
+    except Exception:  # lambdas and other unnamed callables
+        return getattr(t, "__name__", str(t))
+
+
+def is_inplace_node(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None) -> bool:
+    """Whether a node mutates one of its inputs (``relu_``, ``+=``, ``ReLU(inplace=True)``...)."""
+    if node.op == "call_module":
+        return gm is not None and bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("_")
+    if node.op == "call_function":
+        t = node.target
+        if t in _INPLACE_OPERATORS:
+            return True
+        if isinstance(t, torch._ops.OpOverload):
+            return bool(t._schema.is_mutable)
+        name = getattr(t, "__name__", "")
+        return name.endswith("_") and not name.startswith("_")
+    return False
+
+
+def _is_assert_node(node: torch.fx.Node) -> bool:
+    if node.op == "call_module":
+        return str(node.target) == "_guards_fn"
+    if node.op != "call_function":
+        return False
+    t = node.target
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1] in _ASSERT_OP_NAMES
+    return getattr(t, "__name__", "") in _ASSERT_OP_NAMES
+
+
+# --------------------------------------------------------------------------- tracers
+
+
+def _trace_fx(model: nn.Module, n_inputs: int) -> torch.fx.GraphModule:
+    """``symbolic_trace`` with the forward's unused defaulted arguments fixed to their defaults."""
+    concrete: dict[str, Any] = {}
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    for p in positional[n_inputs:]:
+        if p.default is not inspect.Parameter.empty:
+            concrete[p.name] = p.default
+    for p in params:
+        if p.kind == p.KEYWORD_ONLY and p.default is not inspect.Parameter.empty:
+            concrete[p.name] = p.default
+    gm = torch.fx.symbolic_trace(model, concrete_args=concrete or None)
+    if concrete:
+        _strip_asserts(gm)
+        _drop_dead_nodes(gm)
+        # Placeholders of the fixed arguments are now unused: drop them so that the
+        # graph's inputs are exactly the example inputs.
+        phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for n in phs[n_inputs:]:
+            if not n.users:
+                gm.graph.erase_node(n)
+        gm.recompile()
+    return gm
+
+
+def _trace_export(model: nn.Module, inputs: tuple[Any, ...], dynamic_batch: bool) -> torch.fx.GraphModule:
+    from torch.export import Dim
+
+    dynamic_shapes = None
+    if dynamic_batch:
+        dynamic_shapes = tuple(
+            {0: Dim.AUTO} if isinstance(x, torch.Tensor) and x.dim() > 0 else None for x in inputs
+        )
+    ep = torch.export.export(model, inputs, strict=False, dynamic_shapes=dynamic_shapes)
+    return ep.module(check_guards=False)  # type: ignore[return-value]
+
+
+def _strip_asserts(gm: torch.fx.GraphModule) -> None:
+    for node in reversed(list(gm.graph.nodes)):
+        if _is_assert_node(node) and not node.users:
+            target = node.target
+            gm.graph.erase_node(node)
+            if node.op == "call_module" and hasattr(gm, str(target)):
+                delattr(gm, str(target))
+
+
+def _drop_dead_nodes(gm: torch.fx.GraphModule) -> None:
+    """Remove pure function/method nodes whose value nobody uses (e.g. an export leftover).
+
+    Conservative, unlike ``Graph.eliminate_dead_code``: module calls, in-place and impure
+    ops are kept.
+    """
+    changed = True
+    while changed:
+        changed = False
+        for node in reversed(list(gm.graph.nodes)):
+            if node.users or node.op not in ("call_function", "call_method", "get_attr"):
+                continue
+            if is_inplace_node(node, gm):
+                continue
+            if node.op == "call_function" and node.is_impure():
+                continue
+            gm.graph.erase_node(node)
+            changed = True
+
+
+def _clean(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    _strip_asserts(gm)
+    _drop_dead_nodes(gm)
+    gm.graph.lint()
+    gm.recompile()
+    return gm
+
+
+# --------------------------------------------------------------------------- shape propagation
+
+
+class _MetaRecorder(torch.fx.Interpreter):
+    """Runs the graph on real inputs and records each node's output tensor metadata."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.metas: dict[str, list[TensorMeta]] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op not in ("get_attr", "output"):
+            self.metas[n.name] = tensor_metas(out)
+        return out
+
+
+def _propagate(gm: torch.fx.GraphModule, inputs: tuple[Any, ...], seed: int) -> tuple[dict[str, list[TensorMeta]], Any]:
+    rec = _MetaRecorder(gm)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        out = rec.run(*inputs)
+    return rec.metas, out
+
+
+def _eager(model: nn.Module, inputs: tuple[Any, ...], seed: int) -> Any:
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        return model(*inputs)
+
+
+def _same_output(a: Any, b: Any) -> bool:
+    la = [t for t in pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
+    lb = [t for t in pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
+    if len(la) != len(lb):
+        return False
+    for x, y in zip(la, lb):
+        if x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        if x.is_floating_point() or x.is_complex():
+            if not torch.allclose(x, y, rtol=1e-4, atol=1e-5, equal_nan=True):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
+
+# --------------------------------------------------------------------------- graph building
+
+
+def _build(model: nn.Module, gm: torch.fx.GraphModule, method: str,
+           metas: dict[str, list[TensorMeta]]) -> CapturedModel:
+    """Turn a cleaned GraphModule and its metas into a CapturedModel (bytes counted once)."""
+    # Canonical identity of a tensor = the model's own tensor of that qualified name (export
+    # may hold its own objects; fx shares the model's).
+    model_by_name = dict(_named_tensors(model))
+    names_of: dict[int, list[str]] = {}
+    for name, t in model_by_name.items():
+        names_of.setdefault(id(t), []).append(name)
+
+    def canonical(qualname: str, t: torch.Tensor) -> torch.Tensor:
+        return model_by_name.get(qualname, t)
+
+    readers: dict[int, list[str]] = {}      # tensor id -> layer nodes reading it (topo order)
+    tensors: dict[int, torch.Tensor] = {}
+    folded: dict[str, list[str]] = {}
+    nodes: list[LayerNode] = []
+    gm_nodes = list(gm.graph.nodes)
+    attr_tensor: dict[str, tuple[str, torch.Tensor] | None] = {}
+    for n in gm_nodes:
+        if n.op == "get_attr":
+            folded[n.name] = []
+            try:
+                val = gm.get_parameter(str(n.target))
+            except AttributeError:
+                try:
+                    val = gm.get_buffer(str(n.target))
+                except AttributeError:
+                    val = None  # a constant or a submodule: not a model parameter
+            attr_tensor[n.name] = (str(n.target), val) if isinstance(val, torch.Tensor) else None
+
+    def note_read(node_name: str, qualname: str, t: torch.Tensor) -> None:
+        c = canonical(qualname, t)
+        if id(c) not in names_of:
+            return  # not one of the model's parameters/buffers (a lifted constant)
+        tensors[id(c)] = c
+        lst = readers.setdefault(id(c), [])
+        if node_name not in lst:
+            lst.append(node_name)
+
+    for n in gm_nodes:
+        if n.op in ("get_attr", "output"):
+            continue
+        if n.op == "placeholder":
+            kind, target = "input", str(n.target)
+        elif n.op == "call_module":
+            kind, target = "module", str(n.target)
+            for qn, t in _named_tensors(gm.get_submodule(target), prefix=target):
+                note_read(n.name, qn, t)
+        else:
+            kind, target = "function", _function_target(n)
+        inputs: list[str] = []
+        for src in n.all_input_nodes:
+            if src.op == "get_attr":
+                folded[src.name].append(n.name)
+                info = attr_tensor.get(src.name)
+                if info is not None:
+                    note_read(n.name, info[0], info[1])
+            else:
+                inputs.append(src.name)
+        nodes.append(LayerNode(
+            name=n.name, op=node_op_name(n, gm), kind=kind, inputs=inputs,
+            outputs=list(metas.get(n.name, [])), parameter_bytes=0, target=target,
+        ))
+
+    by_name = {ln.name: ln for ln in nodes}
+    node_params: dict[str, list[str]] = {}
+    shared: list[SharedParameter] = []
+    for tid, rs in readers.items():
+        t = tensors[tid]
+        owner = by_name[rs[0]]
+        owner.parameter_bytes += _tensor_bytes(t)
+        node_params.setdefault(owner.name, []).extend(names_of[tid][:1])
+        if len(rs) > 1 and _tensor_bytes(t) > 0:
+            shared.append(SharedParameter(list(names_of[tid]), list(rs), _tensor_bytes(t)))
+
+    # Parameters no node reads still belong to the model (and to its optimizer state):
+    # count them at the first compute node so that byte totals stay exact.
+    unused: list[str] = []
+    seen_ids: set[int] = set()
+    holder = next((ln for ln in nodes if not ln.is_input), nodes[0] if nodes else None)
+    for name, t in model_by_name.items():
+        if id(t) in readers or id(t) in seen_ids:
+            continue
+        seen_ids.add(id(t))
+        unused.append(name)
+        if holder is not None:
+            holder.parameter_bytes += _tensor_bytes(t)
+            node_params.setdefault(holder.name, []).append(name)
+
+    output_node = next(n for n in reversed(gm_nodes) if n.op == "output")
+    outputs = [s.name for s in output_node.all_input_nodes if s.op != "get_attr"]
+    input_names = [n.name for n in gm_nodes if n.op == "placeholder"]
+    graph = LayerGraph(nodes=nodes, outputs=outputs)
+    return CapturedModel(
+        graph=graph, gm=gm, method=method, input_names=input_names, output_names=list(outputs),
+        shared_parameters=shared, node_parameters=node_params, folded_attributes=folded,
+        unused_parameters=unused,
+    )
+
+
+# --------------------------------------------------------------------------- entry point
+
+_FIX = (
+    "fix: remove data-dependent Python control flow (branches on tensor values, .item(), "
+    ".tolist()) from forward, wrap the model as an nn.Sequential of traceable blocks, or pass "
+    "a (model, example_batch) factory that builds a traceable model with explicit split points"
+)
+
+
+def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
+            validate: bool = True) -> CapturedModel:
+    """Capture ``model`` as a layer graph, trying ``torch.fx`` and then ``torch.export``.
+
+    Args:
+        model: the module (its current train/eval mode is what gets captured).
+        example_inputs: one example minibatch: the positional arguments of ``forward``.
+        validate: also run the model eagerly on the example and check that the captured
+            graph gives the same output (same random seed); a tracer whose graph differs is
+            treated as failed.
+
+    Returns:
+        A :class:`CapturedModel`; the model's buffers and the global RNG are left unchanged.
+
+    Raises:
+        CaptureError: the example batch makes the model itself fail, or neither tracer can
+            capture it (the message names the failing operation and the line of code).
+
+    Example:
+        >>> cm = capture(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), torch.randn(2, 4))
+        >>> [n.name for n in cm.graph]
+        ['input_1', '_0', '_1']
+    """
+    if not isinstance(model, nn.Module):
+        raise CaptureError(f"capture needs an nn.Module, got {type(model).__name__}; pass the model object")
+    inputs = _as_tuple(example_inputs)
+    model_name = type(model).__name__
+    devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
+    seed = 0x5EED
+    failures: list[str] = []
+    eager_out: Any = None
+    eager_done = False
+
+    def eager_output() -> Any:
+        nonlocal eager_out, eager_done
+        if not eager_done:
+            try:
+                eager_out = _eager(model, inputs, seed)
+            except Exception as e:  # noqa: BLE001 - any model failure is a user error here
+                raise CaptureError(
+                    f"model {model_name} raised on the example batch (inputs: {_describe_inputs(inputs)}): "
+                    f"{_first_line(e)}; check that the example batch matches what the model's forward expects"
+                ) from None
+            eager_done = True
+        return eager_out
+
+    attempts: list[tuple[str, Callable[[], torch.fx.GraphModule]]] = [
+        ("fx", lambda: _trace_fx(model, len(inputs))),
+        ("export", lambda: _trace_export(model, inputs, dynamic_batch=True)),
+        ("export", lambda: _trace_export(model, inputs, dynamic_batch=False)),
+    ]
+    with preserved_state(model, devices) as snapshot:
+        if validate:
+            eager_output()
+            snapshot.restore()
+        for method, trace in attempts:
+            if method == "export" and any(f.startswith("torch.export") for f in failures):
+                # the dynamic-batch export failed: keep only the static attempt's error
+                failures = [f for f in failures if not f.startswith("torch.export")]
+            try:
+                with _quiet_tracing():
+                    gm = _clean(trace())
+            except Exception as e:  # noqa: BLE001 - tracer errors are reported, not raised
+                failures.append(f"torch.{method}: {_describe_failure(e)}")
+                continue
+            try:
+                metas, out = _propagate(gm, inputs, seed)
+            except Exception as e:  # noqa: BLE001
+                snapshot.restore()
+                eager_output()  # a wrong example batch raises the clearer error
+                snapshot.restore()
+                failures.append(f"torch.{method} graph failed to run: {_describe_failure(e)}")
+                continue
+            snapshot.restore()
+            if validate and not _same_output(out, eager_output()):
+                failures.append(f"torch.{method}: the traced graph's output differs from the model's")
+                continue
+            return _build(model, gm, method, metas)
+        eager_output()  # wrong example batch: report that rather than the tracers' errors
+    raise CaptureError(f"cannot capture model {model_name} as a graph: {'; '.join(failures)}; {_FIX}")

@@ -1,0 +1,220 @@
+"""The per-layer profiler: exact bytes, real activation sizes, input nodes, backward of
+non-differentiable nodes, optimizer state factors, side effects, HF GPT-2, and the table."""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from pipetrain.errors import CaptureError, ProfileError
+from pipetrain.graph import capture, model_parameter_bytes, run_node_by_node
+from pipetrain.models import TINY_OPTIONS, get_model
+from pipetrain.profile import Profile, format_profile_table, load_profile, profile_model
+from pipetrain.profile.profiler import optimizer_state_factor, profile_captured
+from pipetrain.profile.table import format_bytes
+
+torch.set_num_threads(1)
+FAST = dict(warmup=0, repeats=1, threads=1)
+
+
+def tiny(name: str, batch_size: int = 2):
+    torch.manual_seed(0)
+    return get_model(name, batch_size=batch_size, **TINY_OPTIONS[name])
+
+
+def nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("name", ["mlp", "alexnet", "resnet50", "gnmt", "gpt"])
+def test_parameter_bytes_add_up_to_the_model(name: str) -> None:
+    b = tiny(name)
+    prof = profile_model(b, **FAST)
+    exact = sum(p.numel() * p.element_size() for p in b.model.parameters()) + \
+        sum(t.numel() * t.element_size() for t in b.model.buffers())
+    assert prof.total_parameter_bytes == exact
+    assert prof.model == name and prof.batch_size == 2
+    assert all(n.forward_time >= 0 and n.backward_time >= 0 for n in prof.nodes)
+
+
+@pytest.mark.parametrize("name", ["mlp", "resnet50", "gpt"])
+def test_activation_bytes_are_real_output_sizes(name: str) -> None:
+    b = tiny(name)
+    prof = profile_model(b, **FAST)
+    cm = capture(b.model, b.example_inputs)
+    real: dict[str, int] = {}
+    run_node_by_node(cm, *b.example_inputs, on_node=lambda n, v: real.__setitem__(n, nbytes(v)))
+    assert {n.name: n.activation_bytes for n in prof.nodes} == real
+    # and against forward hooks on the modules themselves (fx keeps them as leaves)
+    for node in prof.nodes:
+        if node.kind == "module":
+            target = cm.graph[node.name].target
+            got: list[int] = []
+            h = b.model.get_submodule(target).register_forward_hook(lambda _m, _i, o: got.append(nbytes(o)))
+            with torch.no_grad():
+                b.model(*b.example_inputs)
+            h.remove()
+            assert node.activation_bytes in got, node.name
+
+
+def test_inputs_cost_nothing_and_edges_follow_the_graph() -> None:
+    b = tiny("gpt")
+    prof = profile_model(b, **FAST)
+    [inp] = [n for n in prof.nodes if n.is_input]
+    assert inp.forward_time == inp.backward_time == 0.0
+    assert inp.activation_bytes == nbytes(b.example_inputs[0]) and inp.parameter_bytes == 0
+    cm = capture(b.model, b.example_inputs)
+    assert prof.names == [n.name for n in cm.graph]
+    assert [n.inputs for n in prof.nodes] == [n.inputs for n in cm.graph]
+    assert prof.total_forward_time > 0 and prof.total_backward_time > 0
+
+
+class Mixed(nn.Module):
+    """A trainable branch and an integer branch (argmax) that has no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        idx = y.argmax(dim=1, keepdim=True)
+        return y + idx.float()
+
+
+def test_backward_zero_for_nodes_without_differentiable_output() -> None:
+    prof = profile_model(Mixed(), torch.randn(4, 8), warmup=1, repeats=3, threads=1)
+    assert prof["argmax"].backward_time == 0.0
+    [as_float] = [n for n in prof.nodes if n.op == "float"]  # float of integer indices: no gradient
+    assert as_float.backward_time == 0.0
+    assert prof["fc"].backward_time > 0.0 and prof["add"].backward_time > 0.0
+    assert prof["argmax"].activation_bytes == 4 * 8  # int64 indices
+
+
+@pytest.mark.parametrize("opt,momentum,factor", [("sgd", 0.9, 1.0), ("sgd", 0.0, 0.0), ("adam", 0.9, 2.0),
+                                                 ("adamw", 0.0, 2.0)])
+def test_optimizer_state_factor(opt: str, momentum: float, factor: float) -> None:
+    assert optimizer_state_factor(opt, momentum) == factor
+    prof = profile_model(nn.Linear(2, 2), torch.randn(3, 2), optimizer=opt, momentum=momentum, **FAST)
+    assert prof.optimizer == opt and prof.optimizer_state_bytes_per_parameter_byte == factor
+
+
+def test_profiling_leaves_model_state_alone() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(inplace=True), nn.Flatten(),
+                          nn.Linear(64, 2))
+    x = torch.randn(2, 3, 6, 6)
+    buffers = [t.clone() for t in model.buffers()]
+    rng = torch.get_rng_state()
+    threads = torch.get_num_threads()
+    prof = profile_model(model, x, warmup=1, repeats=2, threads=1)
+    assert all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(buffers, model.buffers()))
+    assert torch.equal(rng, torch.get_rng_state()) and torch.get_num_threads() == threads
+    assert prof["_2"].op == "ReLU(inplace=True)" and prof["_2"].backward_time > 0
+
+
+def test_bundle_batch_size_redraws_the_example() -> None:
+    b = tiny("mlp", batch_size=2)
+    p2 = profile_model(b, **FAST)
+    p6 = profile_model(b, batch_size=6, **FAST)
+    assert p6.batch_size == 6
+    for a, c in zip(p2.nodes, p6.nodes):
+        assert c.activation_bytes == 3 * a.activation_bytes and c.parameter_bytes == a.parameter_bytes
+
+
+def test_hf_gpt2_from_config_is_profiled() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=16,
+                                  use_cache=False, bos_token_id=0, eos_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 100, (2, 8))
+    prof = profile_model(model, ids, model_name="gpt2-tiny", **FAST)
+    assert prof.model == "gpt2-tiny" and prof.batch_size == 2
+    assert prof.total_parameter_bytes == model_parameter_bytes(model)
+    assert prof.names[0] == "input_ids" and prof.nodes[0].is_input
+    addmm = [n for n in prof.nodes if n.op == "aten.addmm.default"]
+    assert len(addmm) == 8 and all(n.backward_time > 0 and n.parameter_bytes > 0 for n in addmm)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_profile_captured_matches_capture_names() -> None:
+    b = tiny("gnmt")
+    cm = capture(b.model, b.example_inputs)
+    prof = profile_captured(cm, b.example_inputs, model_name="gnmt", **FAST)
+    assert prof.names == [n.name for n in cm.graph]
+    assert prof.total_parameter_bytes == cm.graph.parameter_bytes
+
+
+def test_user_errors() -> None:
+    with pytest.raises(ProfileError, match="needs example_inputs"):
+        profile_model(nn.Linear(2, 2))
+    with pytest.raises(ProfileError, match="unknown optimizer 'rmsprop'; valid optimizers: sgd, adam, adamw"):
+        profile_model(nn.Linear(2, 2), torch.randn(1, 2), optimizer="rmsprop")
+    with pytest.raises(ProfileError, match="repeats must be an integer >= 1, got 0"):
+        profile_model(nn.Linear(2, 2), torch.randn(1, 2), repeats=0)
+    with pytest.raises(CaptureError, match="raised on the example batch"):
+        profile_model(nn.Linear(2, 2), torch.randn(1, 3))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="tests the error raised without CUDA")
+def test_cuda_without_cuda_is_a_clear_error() -> None:
+    with pytest.raises(ProfileError, match="CUDA is not available"):
+        profile_model(nn.Linear(2, 2), torch.randn(1, 2), device="cuda")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_cuda_profile() -> None:
+    b = tiny("resnet50")
+    prof = profile_model(b, device="cuda", warmup=1, repeats=2)
+    assert prof.device.startswith("cuda") and prof.total_forward_time > 0
+    assert prof.total_parameter_bytes == model_parameter_bytes(b.model)
+    assert next(b.model.parameters()).device.type == "cpu"  # moved back
+
+
+# --------------------------------------------------------------------------- table
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(0) == "0 B" and format_bytes(1023) == "1023 B"
+    assert format_bytes(1536 * 1024) == "1.5 MiB" and format_bytes(3 * 1024 ** 3) == "3.0 GiB"
+
+
+def test_table_rows_and_totals() -> None:
+    b = tiny("mlp")
+    prof = profile_model(b, **FAST)
+    text = format_profile_table(prof)
+    lines = text.splitlines()
+    assert len(lines) == 3 + len(prof.nodes) + 2
+    for n in prof.nodes:
+        assert any(line.split()[1] == n.name for line in lines[3:-2])
+    shares = [float(line.split()[-1]) for line in lines[3:-2]]
+    assert sum(shares) == pytest.approx(100.0, abs=0.1 * len(shares))
+    assert lines[-1].startswith(f"total: {len(prof.nodes)} nodes, forward ")
+    assert f"parameters {format_bytes(prof.total_parameter_bytes)}" in lines[-1]
+
+
+def test_table_of_a_pipedream_txt_profile(tmp_path) -> None:
+    path = tmp_path / "tiny.txt"
+    path.write_text(
+        "node1 -- Input0 -- forward_compute_time=0.000, backward_compute_time=0.000, "
+        "activation_size=1048576.000, parameter_size=0.000\n"
+        "node2 -- Conv2d(3, 64, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1)) -- forward_compute_time=2.000, "
+        "backward_compute_time=6.000, activation_size=1572864.000, parameter_size=7168.000\n"
+        "\tnode1 -- node2\n"
+    )
+    prof = load_profile(path)
+    text = format_profile_table(prof)
+    assert "node2" in text and "1.5 MiB" in text and "7.0 KiB" in text and "100.0" in text
+    op_cell = "Conv2d(3, 64, kernel_size=(3, 3), stride=(1, 1), padding=(1, 1))"[:37] + "..."
+    assert op_cell in text and "padding" not in text  # op truncated to 40 characters
+    assert text.splitlines()[-1].startswith("total: 2 nodes, forward 2.000 ms, backward 6.000 ms")
+
+
+def test_table_of_empty_profile() -> None:
+    text = format_profile_table(Profile(model="x", batch_size=None, nodes=[]))
+    assert "total: 0 nodes" in text
