@@ -1,0 +1,28 @@
+"""Data parallelism as a one-stage schedule: ``replicas=[N]``.
+
+The ``m`` microbatches of each minibatch go round-robin over the ``N`` replicas; each runs
+forward then backward for each of its microbatches, then the replicas all-reduce and step.
+Versions: minibatch ``t`` uses version ``t``.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+from ..errors import ScheduleError
+from .action import Schedule
+from .layout import check_replicas, one_f_one_b
+from .sync import build_flushed
+
+
+def _order(units: list[int], depth: int, stage: int, num_stages: int) -> list[tuple[str, int]]:
+    return one_f_one_b(units, 1)
+
+
+def build_dp(replicas: Sequence[int], microbatches: int, steps: int) -> Schedule:
+    """Compute-only data-parallel schedule."""
+    reps = check_replicas(replicas)
+    if len(reps) != 1:
+        raise ScheduleError(
+            f"dp runs one stage on N replicas: replicas must have one entry, got {reps}; use replicas=[{sum(reps)}]"
+        )
+    return build_flushed("dp", reps, microbatches, steps, _order)

@@ -1,0 +1,236 @@
+"""What every action costs in the simulator: per-stage times and sizes, and the network.
+
+:class:`StageCost` holds one stage's per-unit figures; :class:`StageCosts` holds them for
+every stage plus the network (a flat bandwidth or a hierarchical :class:`Topology`). Two
+constructors:
+
+- :meth:`StageCosts.from_plan` (plan, profile, topology, units): a stage's time is the sum
+  of its nodes' profiled times divided by ``units`` (profile times are for one minibatch of
+  ``profile.batch_size`` samples; a microbatched schedule cuts it into ``units`` pieces, a
+  PipeDream unit is the whole minibatch, ``units=1``). The bytes crossing the cut between
+  stage ``k`` and ``k+1`` are the outputs of nodes at or before ``k`` read at or after
+  ``k+1`` (relay: a skip connection crosses every cut on its way).
+- :meth:`StageCosts.synthetic`: given forward and backward times per unit, no communication.
+
+Times are seconds, sizes bytes, bandwidths bytes/second.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from ..errors import PlanError, ProfileError
+from ..plan.types import Plan, Topology
+from ..profile.types import Profile
+from ..schedule.action import Op
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """Per-unit costs of one stage.
+
+    Attributes:
+        forward_time: seconds of one unit's forward.
+        backward_time: seconds of one unit's backward (I + W for zero-bubble schedules).
+        activation_send_bytes: bytes this stage sends to the next per unit (crossing its cut).
+        grad_send_bytes: bytes of input gradient this stage sends to the previous per unit.
+        parameter_bytes: bytes of one copy of the stage's weights (one weight version).
+        activation_bytes: bytes a replica holds per unit in flight (forward done, backward not).
+        step_time: seconds of one optimizer step.
+        optimizer_bytes: bytes of optimizer state (held once, besides the weights' gradient).
+        weight_grad_fraction: share of ``backward_time`` that is the weight-gradient half W.
+    """
+
+    forward_time: float
+    backward_time: float
+    activation_send_bytes: float = 0.0
+    grad_send_bytes: float = 0.0
+    parameter_bytes: float = 0.0
+    activation_bytes: float = 0.0
+    step_time: float = 0.0
+    optimizer_bytes: float = 0.0
+    weight_grad_fraction: float = 0.5
+
+    def compute_time(self, op: Op) -> float:
+        """Seconds of a compute action (F, B, I, W) or STEP of one unit at this stage."""
+        if op is Op.F:
+            return self.forward_time
+        if op is Op.B:
+            return self.backward_time
+        if op is Op.I:
+            return self.backward_time * (1.0 - self.weight_grad_fraction)
+        if op is Op.W:
+            return self.backward_time * self.weight_grad_fraction
+        if op is Op.STEP:
+            return self.step_time
+        raise ValueError(f"{op} is not a compute action")
+
+
+@dataclass
+class StageCosts:
+    """Costs of every stage plus the network.
+
+    Attributes:
+        stages: one :class:`StageCost` per schedule stage.
+        bandwidth: bytes/s between any two ranks when ``topology`` is None.
+        latency: seconds added to every transfer (and per ring step of an all-reduce).
+        topology: if given, the bandwidth between two ranks is that of the innermost level
+            whose group holds both (ranks laid out in order over the levels).
+    """
+
+    stages: list[StageCost]
+    bandwidth: float = math.inf
+    latency: float = 0.0
+    topology: Topology | None = None
+    extra: dict = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __getitem__(self, stage: int) -> StageCost:
+        return self.stages[stage]
+
+    # -- network -----------------------------------------------------------------------
+    def link_bandwidth(self, src: int, dst: int) -> float:
+        """Bytes/s from rank ``src`` to rank ``dst``."""
+        if src == dst:
+            return math.inf
+        if self.topology is None or not self.topology.levels:
+            return self.bandwidth
+        group = 1
+        for level in self.topology.levels:
+            group *= level.workers
+            if src // group == dst // group:
+                return level.bandwidth
+        return self.topology.levels[-1].bandwidth
+
+    def transfer_time(self, nbytes: float, src: int, dst: int) -> float:
+        """Seconds to move ``nbytes`` from ``src`` to ``dst``: latency + bytes / bandwidth."""
+        if nbytes <= 0:
+            return 0.0
+        return self.latency + nbytes / self.link_bandwidth(src, dst)
+
+    def allreduce_time(self, stage: int, ranks: Sequence[int]) -> float:
+        """Ring all-reduce of the stage's weights over ``ranks``.
+
+        Each rank sends and receives ``2 (r-1)/r`` of the bytes over the slowest ring link,
+        in ``2 (r-1)`` latency-bound steps.
+        """
+        r = len(ranks)
+        nbytes = self.stages[stage].parameter_bytes
+        if r <= 1 or nbytes <= 0:
+            return 0.0
+        ring = list(ranks) + [ranks[0]]
+        bw = min(self.link_bandwidth(a, b) for a, b in zip(ring, ring[1:]))
+        return 2 * (r - 1) / r * nbytes / bw + 2 * (r - 1) * self.latency
+
+    # -- constructors ------------------------------------------------------------------
+    @staticmethod
+    def synthetic(num_stages: int, forward_time: float | Sequence[float], backward_time: float | Sequence[float],
+                  step_time: float = 0.0, activation_bytes: float = 1.0, parameter_bytes: float = 1.0) -> "StageCosts":
+        """Costs with given per-unit times (a number for every stage, or one per stage) and no communication.
+
+        ``activation_bytes`` and ``parameter_bytes`` default to 1 so that peak memory counts
+        units in flight plus weight versions.
+        """
+        fwd = _per_stage(forward_time, num_stages, "forward_time")
+        bwd = _per_stage(backward_time, num_stages, "backward_time")
+        stages = [StageCost(f, b, parameter_bytes=parameter_bytes, activation_bytes=activation_bytes,
+                            step_time=step_time) for f, b in zip(fwd, bwd)]
+        return StageCosts(stages)
+
+    @staticmethod
+    def from_plan(plan: Plan, profile: Profile, topology: Topology | None = None, units: int = 1,
+                  step_time: float = 0.0, latency: float = 0.0) -> "StageCosts":
+        """Costs of the plan's stages from the profile, for units of ``1/units`` minibatch.
+
+        Args:
+            plan: the stages (node names) in pipeline order.
+            profile: per-node times for one minibatch of ``profile.batch_size``, sizes in bytes.
+            topology: the network; defaults to ``plan.topology`` (infinite bandwidth if none).
+            units: units per minibatch (the microbatch count; 1 for pipedream).
+            step_time: seconds of one optimizer step of a stage.
+            latency: seconds added to every transfer.
+        """
+        if units < 1:
+            raise PlanError(f"units must be >= 1 (got {units}); pass the number of microbatches per minibatch")
+        S = plan.num_stages
+        stage_of: dict[str, int] = {}
+        for k, st in enumerate(plan.stages):
+            for name in st.nodes:
+                stage_of[name] = k
+        known = set(profile.names)
+        missing = [n for n in stage_of if n not in known]
+        if missing:
+            raise ProfileError(
+                f"plan and profile disagree: plan nodes {missing[:5]} are not in the profile of {profile.model!r}; "
+                f"simulate with the profile the plan was made from"
+            )
+        for node in profile.nodes:
+            if node.name not in stage_of:
+                if node.is_input:
+                    stage_of[node.name] = 0
+                else:
+                    raise PlanError(
+                        f"profile node {node.name!r} is in no stage of the plan; plan and profile disagree, "
+                        f"use the profile the plan was made from"
+                    )
+        fwd = [0.0] * S
+        bwd = [0.0] * S
+        params = [0.0] * S
+        held = [0.0] * S
+        cut_act = [0.0] * max(S - 1, 0)
+        cut_grad = [0.0] * max(S - 1, 0)
+        last_reader: dict[str, int] = {}
+        for node in profile.nodes:
+            for src in node.inputs:
+                last_reader[src] = max(last_reader.get(src, -1), stage_of[node.name])
+        for node in profile.nodes:
+            k = stage_of[node.name]
+            if not node.is_input:
+                fwd[k] += node.forward_time
+                bwd[k] += node.backward_time
+                held[k] += node.activation_bytes
+            params[k] += node.parameter_bytes
+            for cut in range(k, last_reader.get(node.name, k)):
+                cut_act[cut] += node.activation_bytes
+                if not node.is_input:
+                    cut_grad[cut] += node.activation_bytes
+        osb = profile.optimizer_state_bytes_per_parameter_byte
+        stages = []
+        for k in range(S):
+            received = cut_act[k - 1] if k > 0 else 0.0
+            stages.append(StageCost(
+                forward_time=fwd[k] / units,
+                backward_time=bwd[k] / units,
+                activation_send_bytes=(cut_act[k] if k < S - 1 else 0.0) / units,
+                grad_send_bytes=(cut_grad[k - 1] if k > 0 else 0.0) / units,
+                parameter_bytes=params[k],
+                activation_bytes=(held[k] + received) / units,
+                step_time=step_time,
+                optimizer_bytes=params[k] * osb,
+            ))
+        topo = topology if topology is not None else plan.topology
+        return StageCosts(stages, latency=latency, topology=topo,
+                          extra={"units": units, "batch_size": profile.batch_size, "model": profile.model})
+
+    def with_step_time(self, step_time: float) -> "StageCosts":
+        """A copy with every stage's optimizer step taking ``step_time`` seconds."""
+        return replace(self, stages=[replace(s, step_time=step_time) for s in self.stages])
+
+
+def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]:
+    from ..errors import ScheduleError
+
+    if isinstance(value, (int, float)):
+        vals = [float(value)] * n
+    else:
+        vals = [float(v) for v in value]
+        if len(vals) == 1:
+            vals = vals * n
+    if len(vals) != n:
+        raise ScheduleError(f"{name} needs one value or one per stage ({n} stages), got {len(vals)}: {list(vals)}")
+    if any(v < 0 for v in vals):
+        raise ScheduleError(f"{name} must be >= 0 seconds, got {vals}")
+    return vals

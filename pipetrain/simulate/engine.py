@@ -1,0 +1,355 @@
+"""The discrete-event simulator: execute a schedule's action lists with costs.
+
+Every worker runs its list in order. Semantics (the same as the runtime's):
+
+- F, B, I, W and STEP occupy the worker for their cost (:class:`StageCost`).
+- A SEND does not block its worker: the transfer starts when the worker reaches it (or when
+  the link from sender to receiver is free: transfers on one directed link are FIFO) and
+  arrives ``latency + bytes/bandwidth`` later. Links are full duplex and independent.
+- A RECV completes when its data has arrived (the runtime posts receives ahead); the worker
+  waits until then.
+- An ALLREDUCE starts when every replica of the stage reaches it and takes the ring
+  all-reduce time of the stage's weights; every replica leaves it together.
+
+Events are processed in time order from a heap; if some worker can never proceed the
+simulation raises the validator's "schedule deadlocks at ..." error with the marked grid.
+
+Derived figures (see docs/schedules.md, "Simulator"):
+
+- busy time: time in F/B/I/W/STEP; idle time = makespan - busy (waits, all-reduces).
+- flushed schedules (flush, gpipe, dp, interleaved, zerobubble): ``time_per_minibatch =
+  makespan / steps`` and ``bubble_fraction = 1 - sum(busy) / (workers * makespan)``.
+- pipedream and 2bw (no flush): minibatch ``t`` *leaves* when its last backward at stage 0
+  ends. The steady window runs from the latest first backward of any worker to the earliest
+  last forward of any worker (every worker is alternating 1F1B inside it). Over the middle
+  half of the minibatches leaving inside it (whole periods of ``lcm(replicas)`` for
+  pipedream), ``time_per_minibatch`` is the mean interval between departures and
+  ``bubble_fraction`` the idle share of all workers between the first and last of them.
+  Runs too short for a steady state fall back to the flushed definitions
+  (``steady_window`` is then None).
+- peak memory per worker: weights' gradient + optimizer state, plus, over time, live weight
+  versions (a version lives from the step that makes it until it is superseded and no
+  longer used) times the stage's weight bytes, plus units in flight (forward started,
+  last backward piece not ended) times the stage's activation bytes.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from functools import reduce
+from typing import Any
+
+from ..errors import ScheduleError
+from ..schedule.action import Action, Op, Schedule
+from ..schedule.registry import FLUSHED_SCHEDULES
+from ..schedule.validate import deadlock_error, transfer_key
+from .costs import StageCosts
+
+_COMPUTE = (Op.F, Op.B, Op.I, Op.W, Op.STEP)
+_BACKWARD_END = (Op.B, Op.W)  # the piece after which a unit's activations are freed
+_BACKWARD_START = (Op.B, Op.I)
+
+
+@dataclass(frozen=True)
+class Event:
+    """One action on one worker's timeline: ``kind`` is ``"compute"`` (F/B/I/W/STEP) or ``"comm"``.
+
+    For a SEND, ``start``..``end`` is the transfer on the link (it overlaps compute); for a
+    RECV, the wait from reaching it to the data's arrival; for an ALLREDUCE, the collective.
+    """
+
+    start: float
+    end: float
+    action: Action
+    kind: str
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+@dataclass
+class SimResult:
+    """What :func:`simulate` returns. Times in seconds, memory in bytes."""
+
+    schedule: Schedule
+    timelines: list[list[Event]]
+    makespan: float
+    busy_time: list[float]
+    idle_time: list[float]
+    peak_memory: list[float]
+    peak_in_flight: list[int]
+    peak_versions: list[int]
+    time_per_minibatch: float
+    throughput: float
+    bubble_fraction: float
+    idle_fraction: float
+    exit_times: list[float]
+    steady_window: tuple[float, float] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_workers(self) -> int:
+        return len(self.timelines)
+
+    def summary(self) -> dict[str, Any]:
+        """The figures as a JSON-ready dict (what ``pipetrain simulate --json`` prints)."""
+        s = self.schedule
+        return {
+            "schedule": s.name,
+            "stages": s.num_stages,
+            "workers": s.num_workers,
+            "replicas": [len(r) for r in s.stage_ranks],
+            "microbatches": s.microbatches,
+            "steps": s.steps,
+            "options": dict(s.options),
+            "makespan": self.makespan,
+            "time_per_minibatch": self.time_per_minibatch,
+            "throughput": self.throughput,
+            "bubble_fraction": self.bubble_fraction,
+            "idle_fraction": self.idle_fraction,
+            "steady_state": self.steady_window is not None,
+            "busy_time": list(self.busy_time),
+            "idle_time": list(self.idle_time),
+            "peak_memory": list(self.peak_memory),
+            "peak_in_flight": list(self.peak_in_flight),
+            "peak_versions": list(self.peak_versions),
+        }
+
+
+def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
+    """Run ``schedule`` on ``costs`` and return timelines and figures (see module docstring)."""
+    if len(costs) != schedule.num_stages:
+        raise ScheduleError(
+            f"costs cover {len(costs)} stages but schedule {schedule.name!r} has {schedule.num_stages}; "
+            f"build the costs for the schedule's stages"
+        )
+    W = schedule.num_workers
+    lists = schedule.workers
+    pcs = [0] * W
+    clock = [0.0] * W
+    timelines: list[list[Event]] = [[] for _ in range(W)]
+    mailbox: dict[tuple, deque[float]] = defaultdict(deque)
+    recv_waiting: dict[tuple, int] = {}
+    link_free: dict[tuple[int, int], float] = defaultdict(float)
+    ar_ready: dict[tuple[int, int], set[int]] = defaultdict(set)
+    heap: list[tuple[float, int, int]] = [(0.0, r, r) for r in range(W) if lists[r]]
+    heapq.heapify(heap)
+    seq = W
+
+    def push(rank: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (clock[rank], seq, rank))
+
+    while heap:
+        _, _, r = heapq.heappop(heap)
+        if pcs[r] >= len(lists[r]):
+            continue
+        a = lists[r][pcs[r]]
+        t = clock[r]
+        if a.op in _COMPUTE:
+            end = t + costs[a.stage].compute_time(a.op)
+            timelines[r].append(Event(t, end, a, "compute"))
+            clock[r] = end
+            pcs[r] += 1
+            push(r)
+        elif a.op in (Op.SEND_F, Op.SEND_B):
+            st = costs[a.stage]
+            nbytes = st.activation_send_bytes if a.op is Op.SEND_F else st.grad_send_bytes
+            if a.peer is None:
+                raise ScheduleError(f"rank {r} action {pcs[r]} ({a.long}) has no peer; build schedules with "
+                                    f"build_schedule or insert_comm, which set every transfer's peer")
+            dst = a.peer
+            start = max(t, link_free[(r, dst)])
+            dur = costs.transfer_time(nbytes, r, dst)
+            serial = dur - (costs.latency if dur > 0 else 0.0)
+            link_free[(r, dst)] = start + serial
+            timelines[r].append(Event(start, start + dur, a, "comm"))
+            key = transfer_key(r, a)
+            mailbox[key].append(start + dur)
+            pcs[r] += 1
+            push(r)
+            if key in recv_waiting:
+                push(recv_waiting.pop(key))
+        elif a.op in (Op.RECV_F, Op.RECV_B):
+            if a.peer is None:
+                raise ScheduleError(f"rank {r} action {pcs[r]} ({a.long}) has no peer; build schedules with "
+                                    f"build_schedule or insert_comm, which set every transfer's peer")
+            key = transfer_key(r, a)
+            if not mailbox[key]:
+                recv_waiting[key] = r
+                continue
+            arrival = mailbox[key].popleft()
+            end = max(t, arrival)
+            timelines[r].append(Event(t, end, a, "comm"))
+            clock[r] = end
+            pcs[r] += 1
+            push(r)
+        elif a.op is Op.ALLREDUCE:
+            group = schedule.stage_ranks[a.stage]
+            ready = ar_ready[(a.stage, a.mb)]
+            ready.add(r)
+            if not all(g in ready for g in group):
+                continue
+            start = max(clock[g] for g in group)
+            end = start + costs.allreduce_time(a.stage, group)
+            for g in group:
+                ga = lists[g][pcs[g]]
+                if ga != a:
+                    raise deadlock_error(schedule, pcs, {g: f"expected {a.long}"})
+                timelines[g].append(Event(start, end, ga, "comm"))
+                clock[g] = end
+                pcs[g] += 1
+                push(g)
+            del ar_ready[(a.stage, a.mb)]
+        else:  # pragma: no cover - Op is closed
+            raise ScheduleError(f"cannot simulate action {a.long}")
+    if any(pc < len(lists[r]) for r, pc in enumerate(pcs)):
+        why = {}
+        for r, pc in enumerate(pcs):
+            if pc < len(lists[r]):
+                a = lists[r][pc]
+                if a.peer is not None and a.op in (Op.RECV_F, Op.RECV_B):
+                    why[r] = f"waits for rank {a.peer}"
+        raise deadlock_error(schedule, pcs, why)
+    return _summarise(schedule, costs, timelines)
+
+
+def _summarise(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]]) -> SimResult:
+    W = schedule.num_workers
+    makespan = max((e.end for tl in timelines for e in tl), default=0.0)
+    busy = [sum(e.duration for e in tl if e.kind == "compute") for tl in timelines]
+    idle = [makespan - b for b in busy]
+    idle_fraction = 1.0 - sum(busy) / (W * makespan) if makespan > 0 else 0.0
+    peak_mem, peak_inflight, peak_versions = _memory(schedule, costs, timelines, makespan)
+    exits = _exit_times(schedule, timelines)
+    tpm = makespan / schedule.steps if schedule.steps else makespan
+    bubble = idle_fraction
+    window = None
+    if schedule.name not in FLUSHED_SCHEDULES:
+        steady = _steady(schedule, timelines, exits)
+        if steady is not None:
+            tpm, bubble, window = steady
+    return SimResult(
+        schedule=schedule, timelines=timelines, makespan=makespan, busy_time=busy, idle_time=idle,
+        peak_memory=peak_mem, peak_in_flight=peak_inflight, peak_versions=peak_versions,
+        time_per_minibatch=tpm, throughput=(1.0 / tpm if tpm > 0 else math.inf),
+        bubble_fraction=max(0.0, bubble), idle_fraction=max(0.0, idle_fraction), exit_times=exits,
+        steady_window=window,
+    )
+
+
+def _exit_times(schedule: Schedule, timelines: list[list[Event]]) -> list[float]:
+    """When each minibatch leaves the pipeline: the end of its last backward piece at stage 0."""
+    m = schedule.microbatches
+    exits = [0.0] * schedule.steps
+    for tl in timelines:
+        for e in tl:
+            a = e.action
+            if a.stage == 0 and a.op in _BACKWARD_END:
+                t = a.mb // m
+                if t < len(exits):
+                    exits[t] = max(exits[t], e.end)
+    return exits
+
+
+def _steady(schedule: Schedule, timelines: list[list[Event]],
+            exits: list[float]) -> tuple[float, float, tuple[float, float]] | None:
+    """(time per minibatch, bubble fraction, window) over the steady state, or None if too short."""
+    first_b, last_f = [], []
+    for tl in timelines:
+        bs = [e.start for e in tl if e.action.op in _BACKWARD_START]
+        fs = [e.end for e in tl if e.action.op is Op.F]
+        if not bs or not fs:
+            return None
+        first_b.append(min(bs))
+        last_f.append(max(fs))
+    lo_t, hi_t = max(first_b), min(last_f)
+    inside = [t for t, x in enumerate(exits) if lo_t - 1e-12 <= x <= hi_t + 1e-12]
+    if len(inside) < 2:
+        return None
+    # Whole periods of the routing: with r-way stages the departures repeat every lcm(r).
+    if schedule.name == "pipedream":
+        period = reduce(lambda a, b: a * b // math.gcd(a, b), (len(r) for r in schedule.stage_ranks), 1)
+    else:
+        period = 1
+    # The middle half of those departures, in whole periods (replicas may need a period or
+    # two to fall into step); the whole range if that leaves no period.
+    i0, i1 = inside[0], inside[-1]
+    q = (i1 - i0) // 4
+    lo, span = i0 + q, (i1 - i0 - 2 * q) // period * period
+    if span == 0:
+        lo, span = i0, (i1 - i0) // period * period
+    if span == 0:
+        return None
+    hi = lo + span
+    t0, t1 = exits[lo], exits[hi]
+    if t1 <= t0:
+        return None
+    tpm = (t1 - t0) / span
+    busy = 0.0
+    for tl in timelines:
+        for e in tl:
+            if e.kind == "compute":
+                busy += max(0.0, min(e.end, t1) - max(e.start, t0))
+    bubble = 1.0 - busy / (len(timelines) * (t1 - t0))
+    return tpm, bubble, (t0, t1)
+
+
+def _memory(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]],
+            makespan: float) -> tuple[list[float], list[int], list[int]]:
+    """Peak bytes, peak units in flight and peak live weight versions, per worker."""
+    peaks_mem: list[float] = []
+    peaks_units: list[int] = []
+    peaks_versions: list[int] = []
+    for rank, tl in enumerate(timelines):
+        stages = schedule.stages_of_rank(rank)
+        static = sum(costs[k].parameter_bytes + costs[k].optimizer_bytes for k in stages)
+        # Deltas (time, order, bytes, units, versions); order 0 releases before 1 acquires.
+        deltas: list[tuple[float, int, float, int, int]] = []
+        fstart: dict[tuple[int, int], float] = {}
+        bend: dict[tuple[int, int], float] = {}
+        step_end: dict[tuple[int, int], float] = {}
+        last_use: dict[tuple[int, int], float] = {}
+        for e in tl:
+            a = e.action
+            if a.op is Op.F:
+                fstart[(a.stage, a.mb)] = e.start
+            elif a.op in _BACKWARD_END:
+                bend[(a.stage, a.mb)] = e.end
+            elif a.op is Op.STEP:
+                step_end[(a.stage, a.mb)] = e.end
+            if a.version is not None and a.op in (Op.F, Op.B, Op.I, Op.W):
+                key = (a.stage, a.version)
+                last_use[key] = max(last_use.get(key, 0.0), e.end)
+        for (k, u), t0 in fstart.items():
+            t1 = bend.get((k, u), makespan)
+            act = costs[k].activation_bytes
+            deltas.append((t0, 1, act, 1, 0))
+            deltas.append((t1, 0, -act, -1, 0))
+        for k in stages:
+            nsteps = sum(1 for (s, _) in step_end if s == k)
+            for v in range(nsteps + 1):
+                born = 0.0 if v == 0 else step_end[(k, v - 1)]
+                superseded = step_end.get((k, v), makespan)
+                dies = max(superseded, last_use.get((k, v), born))
+                w = costs[k].parameter_bytes
+                deltas.append((born, 1, w, 0, 1))
+                deltas.append((dies, 0, -w, 0, -1))
+        deltas.sort(key=lambda d: (d[0], d[1]))
+        mem = peak_mem = 0.0
+        units = peak_units = versions = peak_v = 0
+        for _, _, b, n, v in deltas:
+            mem += b
+            units += n
+            versions += v
+            peak_mem = max(peak_mem, mem)
+            peak_units = max(peak_units, units)
+            peak_v = max(peak_v, versions)
+        peaks_mem.append(static + peak_mem)
+        peaks_units.append(peak_units)
+        peaks_versions.append(peak_v)
+    return peaks_mem, peaks_units, peaks_versions
