@@ -1,0 +1,136 @@
+"""``pipetrain plan PROFILE``: partition a profiled model into replicated pipeline stages.
+
+Examples::
+
+    pipetrain plan ../shared/profiles/vgg16.txt --workers 16 --bandwidth 10Gbit --cost-model pipedream
+    pipetrain plan model.json --workers 4,4 --bandwidth 300e9,1.25e9 --compare
+    pipetrain plan model.json --workers 8 --memory 16GB --json --output plan.json
+
+The plan is printed (a table, or one JSON object with ``--json``); it is written to a file
+only when ``--output`` is given.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from typing import Any
+
+from ..errors import PlanError
+from ..plan import PlanOptions, baselines, parse_topology, plan
+from ..plan.cost import COST_MODELS, DEFAULT_COST_MODEL
+from ..plan.memory import SCHEDULES
+from ..plan.types import Plan
+from ..profile.io import load_profile
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan", help="partition a profiled model into pipeline stages (PipeDream's optimizer)",
+        description="Find the stages and replica counts that minimise the time per minibatch. "
+                    "PROFILE is a pipetrain JSON profile or a PipeDream .txt profile.",
+    )
+    p.add_argument("profile", metavar="PROFILE", help="profile file (.json, or PipeDream .txt)")
+    p.add_argument("--workers", default="4", help="workers per level, innermost first, e.g. 16 or 4,4 (default 4)")
+    p.add_argument("--bandwidth", default=None,
+                   help="bytes/s per level, innermost first, e.g. 1.25e9 or 300e9,10Gbit (default 10Gbit for one level)")
+    p.add_argument("--memory", default=None, help="memory per worker in bytes (e.g. 16e9 or 16GB); default: no limit")
+    p.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
+    p.add_argument("--stages", type=int, default=None, metavar="K", help="use exactly K stages (flat topologies)")
+    p.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
+                   help=f"cost model (default {DEFAULT_COST_MODEL})")
+    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES, help="schedule whose memory rule --memory checks")
+    p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (flush/2bw/gpipe memory)")
+    p.add_argument("--batch-size", type=int, default=None, help="samples per minibatch (default: the profile's)")
+    p.add_argument("--max-states", type=int, default=2048, help="most DAG states before coarsening (default 2048)")
+    p.add_argument("--compare", action="store_true", help="also evaluate the baselines (data parallel, uniform, by parameters, by time)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--output", default=None, metavar="PLAN.json", help="save the plan here (not saved unless given)")
+    p.set_defaults(func=run)
+
+
+def _topology(args: argparse.Namespace):
+    bandwidth = args.bandwidth
+    if bandwidth is None:
+        levels = [w for w in str(args.workers).replace("x", ",").split(",") if w.strip()]
+        if len(levels) > 1:
+            raise PlanError(f"--workers {args.workers} has {len(levels)} levels; give --bandwidth with one value per level, e.g. 300e9,10Gbit")
+        bandwidth = "1.25e9"
+    return parse_topology(args.workers, bandwidth, args.memory)
+
+
+def _ms(t: float | None) -> str:
+    return "-" if t is None or not math.isfinite(t) else f"{t * 1e3:.3f} ms"
+
+
+def _bytes(b: float | None) -> str:
+    if b is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if b >= div:
+            return f"{b / div:.2f} {unit}"
+    return f"{b:.0f} B"
+
+
+def _summary(p: Plan) -> dict[str, Any]:
+    return {"config": p.config, "predicted_time": p.predicted_time, "data_parallel_time": p.data_parallel_time,
+            "speedup_over_data_parallel": p.speedup_over_data_parallel,
+            "stages": [{"nodes": s.nodes, "replicas": s.replicas} for s in p.stages]}
+
+
+def run(args: argparse.Namespace) -> int:
+    profile = load_profile(args.profile)
+    if args.batch_size is not None:
+        if args.batch_size <= 0:
+            raise PlanError(f"--batch-size {args.batch_size} must be positive")
+        profile.batch_size = args.batch_size
+    topology = _topology(args)
+    options = PlanOptions(straight=args.straight, cost_model=args.cost_model, num_stages=args.stages,
+                          schedule=args.schedule, microbatches=args.microbatches, max_states=args.max_states)
+    result = plan(profile, topology, options)
+    result.batch_size = profile.batch_size
+    base = baselines(profile, topology, args.cost_model) if args.compare else {}
+    if args.output:
+        result.save(args.output)
+    t = result.predicted_time or math.inf
+    throughput = {"minibatches_per_second": 1.0 / t if t > 0 else math.inf,
+                  "samples_per_second": profile.batch_size / t if profile.batch_size and t > 0 else None}
+    if args.json:
+        d = result.to_dict()
+        d["throughput"] = throughput
+        d["num_workers"] = result.num_workers
+        if args.compare:
+            d["baselines"] = {name: _summary(b) for name, b in base.items()}
+        json.dump(d, sys.stdout)
+        sys.stdout.write("\n")
+        return 0
+    levels = " x ".join(f"{lv.workers} @ {lv.bandwidth / 1e9:.4g} GB/s" for lv in topology.levels)
+    print(f"plan for {profile.model or args.profile} ({len(profile)} nodes, batch {profile.batch_size or '?'}) on "
+          f"{topology.total_workers} workers ({levels}), cost model {result.cost_model}")
+    print(f"{'stage':>5}  {'nodes':<28} {'count':>5}  {'replicas':>8}  {'compute':>12}  {'memory/worker':>13}")
+    for k, s in enumerate(result.stages):
+        span = s.nodes[0] if len(s.nodes) == 1 else f"{s.nodes[0]}..{s.nodes[-1]}"
+        print(f"{k:>5}  {span:<28} {len(s.nodes):>5}  {s.replicas:>8}  {_ms(s.compute_time):>12}  {_bytes(s.memory_bytes):>13}")
+    print(f"config: {result.config}" + (f"  ({result.extra['idle_workers']} workers idle)" if result.extra.get("idle_workers") else ""))
+    print(f"predicted time per minibatch: {_ms(result.predicted_time)}")
+    line = f"throughput: {throughput['minibatches_per_second']:.3f} minibatches/s"
+    if throughput["samples_per_second"] is not None:
+        line += f", {throughput['samples_per_second']:.1f} samples/s"
+    print(line)
+    sp = result.speedup_over_data_parallel
+    print(f"data parallelism: {_ms(result.data_parallel_time)} per minibatch; speedup {sp:.3f}x" if sp else "data parallelism: -")
+    st = result.extra["states"]
+    print(f"solved in {result.solve_seconds:.3f} s ({st['count']} states, {st['mode']})")
+    if args.compare:
+        print()
+        print(f"{'method':<14} {'config':<24} {'time/minibatch':>15} {'speedup vs DP':>14}")
+        rows = [("planner", result)] + list(base.items())
+        for name, b in rows:
+            cfg = b.config if len(b.config) <= 24 else b.config[:21] + "..."
+            print(f"{name:<14} {cfg:<24} {_ms(b.predicted_time):>15} {b.speedup_over_data_parallel or 0:>13.3f}x")
+    if args.output:
+        print(f"plan written to {args.output}")
+    return 0
+
+

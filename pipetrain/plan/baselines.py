@@ -1,0 +1,146 @@
+"""Baseline plans, evaluated with the same cost model as the planner.
+
+- ``data_parallel_plan``: one stage replicated on all N workers.
+- ``uniform_plan``: a straight pipeline of ``min(N, layers)`` stages with equal layer counts.
+- ``balanced_by_parameters``: a straight pipeline whose stages minimise the largest
+  parameter count (DeepSpeed's default ``partition_method="parameters"``).
+- ``balanced_by_time``: a straight pipeline whose stages minimise the largest forward +
+  backward time (torchgpipe's ``balance_by_time``: a block partition of the layer times).
+
+Pipelines follow the profile's topological order (every prefix of it is an ideal, so the
+stages are valid cuts of a DAG); model inputs join stage 0. On a multi-level topology the
+stages fill the servers in order (:func:`~pipetrain.plan.cost.infer_hierarchy`).
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable, Sequence
+
+from ..profile.types import Profile
+from .cost import DEFAULT_COST_MODEL, CostParams, data_parallel_time, evaluate_detail
+from .topology import check_topology
+from .types import Plan, Stage, Topology
+
+
+def block_partition(weights: Sequence[float], parts: int) -> list[int]:
+    """Sizes of ``parts`` non-empty contiguous blocks of ``weights`` (all >= 0) minimising the
+    largest block sum. Binary search on the limit with a greedy check, then the greedy blocks
+    are split (never raising a block's sum) until there are exactly ``parts``."""
+    n = len(weights)
+    parts = max(1, min(parts, n))
+
+    def greedy(limit: float) -> list[int]:
+        sizes, cur, cnt = [], 0.0, 0
+        for w in weights:
+            if cnt and cur + w > limit:
+                sizes.append(cnt)
+                cur, cnt = 0.0, 0
+            cur += w
+            cnt += 1
+        sizes.append(cnt)
+        return sizes
+
+    lo, hi = max(weights, default=0.0), float(sum(weights))
+    if len(greedy(lo)) <= parts:
+        hi = lo
+    for _ in range(200):
+        if hi <= lo * (1 + 1e-15) or hi - lo <= 0:
+            break
+        mid = 0.5 * (lo + hi)
+        if not lo < mid < hi:
+            break
+        if len(greedy(mid)) <= parts:
+            hi = mid
+        else:
+            lo = mid
+    sizes = greedy(hi)
+    while len(sizes) < parts:  # split the block with most layers (first such) in two
+        i = max(range(len(sizes)), key=lambda j: (sizes[j], -j))
+        a = sizes[i] // 2
+        sizes[i:i + 1] = [sizes[i] - a, a]
+    return sizes
+
+
+def _straight(profile: Profile, topology: Topology, sizes: list[int], method: str, cost_model: str,
+              cost_params: CostParams | None, t0: float) -> Plan:
+    inputs = [n.name for n in profile.nodes if n.is_input]
+    layers = [n.name for n in profile.nodes if not n.is_input]
+    stages, pos = [], 0
+    for k, size in enumerate(sizes):
+        stages.append(Stage(nodes=(inputs if k == 0 else []) + layers[pos:pos + size], replicas=1))
+        pos += size
+    return _finish(profile, topology, stages, method, cost_model, cost_params, t0)
+
+
+def _finish(profile: Profile, topology: Topology, stages: list[Stage], method: str, cost_model: str,
+            cost_params: CostParams | None, t0: float) -> Plan:
+    ev = evaluate_detail(profile, stages, topology, cost_model, cost_params=cost_params)
+    for k, s in enumerate(stages):
+        s.compute_time = sum(profile[n].compute_time for n in s.nodes if not profile[n].is_input)
+        s.sync_time = ev.sync[k]
+    from .memory import stage_memory
+
+    for s, m in zip(stages, stage_memory(profile, stages)):
+        s.memory_bytes = m
+    return Plan(stages=stages, model=profile.model, batch_size=profile.batch_size, predicted_time=ev.time,
+                data_parallel_time=data_parallel_time(profile, topology, cost_model, cost_params),
+                cost_model=cost_model, topology=topology, solve_seconds=time.perf_counter() - t0,
+                extra={"method": method, "hierarchy": ev.hierarchy, "stage_terms": ev.stage_terms})
+
+
+def _by(profile: Profile, topology: Topology, weight: Callable, method: str, cost_model: str,
+        cost_params: CostParams | None) -> Plan:
+    t0 = time.perf_counter()
+    check_topology(topology)
+    layers = [n for n in profile.nodes if not n.is_input]
+    sizes = block_partition([float(weight(n)) for n in layers], topology.total_workers)
+    return _straight(profile, topology, sizes, method, cost_model, cost_params, t0)
+
+
+def data_parallel_plan(profile: Profile, topology: Topology, cost_model: str = DEFAULT_COST_MODEL,
+                       cost_params: CostParams | None = None) -> Plan:
+    """One stage with every node, replicated on all workers."""
+    t0 = time.perf_counter()
+    check_topology(topology)
+    stages = [Stage(nodes=list(profile.names), replicas=topology.total_workers)]
+    return _finish(profile, topology, stages, "data_parallel", cost_model, cost_params, t0)
+
+
+def uniform_plan(profile: Profile, topology: Topology, cost_model: str = DEFAULT_COST_MODEL,
+                 cost_params: CostParams | None = None) -> Plan:
+    """A straight pipeline of ``min(N, layers)`` stages with equal numbers of layers (the
+    first stages take one more when it does not divide)."""
+    t0 = time.perf_counter()
+    check_topology(topology)
+    n = sum(1 for nd in profile.nodes if not nd.is_input)
+    k = max(1, min(topology.total_workers, n))
+    sizes = [n // k + (1 if i < n % k else 0) for i in range(k)]
+    return _straight(profile, topology, sizes, "uniform", cost_model, cost_params, t0)
+
+
+def balanced_by_parameters(profile: Profile, topology: Topology, cost_model: str = DEFAULT_COST_MODEL,
+                           cost_params: CostParams | None = None) -> Plan:
+    """A straight pipeline minimising the largest stage parameter bytes (DeepSpeed)."""
+    return _by(profile, topology, lambda nd: nd.parameter_bytes, "parameters", cost_model, cost_params)
+
+
+def balanced_by_time(profile: Profile, topology: Topology, cost_model: str = DEFAULT_COST_MODEL,
+                     cost_params: CostParams | None = None) -> Plan:
+    """A straight pipeline minimising the largest stage compute time (torchgpipe)."""
+    return _by(profile, topology, lambda nd: nd.forward_time + nd.backward_time, "time", cost_model, cost_params)
+
+
+BASELINES: dict[str, Callable[..., Plan]] = {
+    "data_parallel": data_parallel_plan,
+    "uniform": uniform_plan,
+    "parameters": balanced_by_parameters,
+    "time": balanced_by_time,
+}
+
+
+def baselines(profile: Profile, topology: Topology, cost_model: str = DEFAULT_COST_MODEL,
+              cost_params: CostParams | None = None) -> dict[str, Plan]:
+    """Every baseline plan by name, each evaluated with ``cost_model``."""
+    return {name: fn(profile, topology, cost_model, cost_params) for name, fn in BASELINES.items()}
+
+

@@ -1,0 +1,125 @@
+"""Per-worker memory of a plan's stages under a schedule.
+
+A worker of stage ``k`` (``P`` stages, ``r_k`` replicas, ``W_k`` workers in stages ``>= k``)
+holds its stage's parameters ``p``, their gradients ``p``, optimizer state ``s * p``
+(``s = profile.optimizer_state_bytes_per_parameter_byte``), weight versions, and for every
+unit (minibatch or microbatch) in flight the stage's activations ``a`` (the outputs of its
+nodes) plus its input ``x`` (every tensor crossing the cut before it: relayed skip
+connections included, see design.md "Relay"). With ``m`` microbatches a minibatch, a
+microbatch holds ``(a + x) / m``.
+
+============  ===========================================  ===============  ==============
+schedule      units in flight                              unit size        weight copies
+============  ===========================================  ===============  ==============
+pipedream     ``n = ceil(W_k / r_k)`` (1F1B, NOAM in paper)  ``a + x``        ``n`` (stashing)
+flush         ``min(m, ceil(W_k / r_k))``                  ``(a + x) / m``  1
+2bw           ``min(m, ceil(W_k / r_k))``                  ``(a + x) / m``  2
+gpipe         ``m`` (all forwards before any backward)     ``(a + x) / m``  1
+============  ===========================================  ===============  ==============
+
+so ``memory = copies * p + p + s * p + units * unit_size``. For a straight pipeline
+``ceil(W_k / r_k) = P - k``, PipeDream's count for stage ``k``; the input stage of a plan
+with ``N`` workers holds ``NOAM = ceil(N / r_0)`` minibatches.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import PlanError
+from ..profile.types import Profile
+from .cost import stage_arrays
+from .types import Plan, Stage
+
+SCHEDULES = ("pipedream", "flush", "2bw", "gpipe")
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The schedule and sizes the memory estimate depends on."""
+
+    schedule: str = "pipedream"
+    microbatches: int = 1
+    optimizer_state: float = 1.0  # optimizer bytes per parameter byte
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"unknown schedule {self.schedule!r} for memory; choose one of {', '.join(SCHEDULES)}")
+        if int(self.microbatches) < 1:
+            raise PlanError(f"microbatches={self.microbatches} must be >= 1")
+
+    def units(self, workers_from_here: int, replicas: int) -> int:
+        """Units (minibatches or microbatches) in flight at one worker of the stage."""
+        n = -(-workers_from_here // replicas)
+        if self.schedule == "pipedream":
+            return n
+        if self.schedule == "gpipe":
+            return self.microbatches
+        return min(self.microbatches, n)
+
+    def copies(self, units: int) -> int:
+        """Weight copies held: stashed versions for PipeDream, 2 for 2BW, else 1."""
+        return {"pipedream": max(units, 1), "2bw": 2}.get(self.schedule, 1)
+
+    def unit_bytes(self, act: float, inp: float) -> float:
+        m = 1 if self.schedule == "pipedream" else self.microbatches
+        return (act + inp) / m
+
+    def bytes(self, params: float, act: float, inp: float, workers_from_here: int, replicas: int) -> float:
+        """Bytes per worker of a stage (see the module docstring)."""
+        u = self.units(workers_from_here, replicas)
+        return (self.copies(u) + 1.0 + self.optimizer_state) * params + u * self.unit_bytes(act, inp)
+
+    def max_units(self, params: float, act: float, inp: float, limit: float) -> float:
+        """The most in-flight units ``n`` (as counted for pipedream/flush/2bw) that fit ``limit``.
+
+        ``inf`` when any number fits, ``-1`` when even one does not. Used by the planner to
+        turn a memory limit into a lower bound on replicas.
+        """
+        ub = self.unit_bytes(act, inp)
+        if self.schedule == "pipedream":
+            per = params + ub
+            room = limit - (1.0 + self.optimizer_state) * params
+            if per <= 0:
+                return math.inf if room >= 0 else -1
+            return math.floor(room / per) if room >= per else -1
+        fixed = (self.copies(1) + 1.0 + self.optimizer_state) * params
+        if self.schedule == "gpipe":
+            return math.inf if fixed + self.microbatches * ub <= limit else -1
+        if fixed + self.microbatches * ub <= limit:
+            return math.inf
+        return math.floor((limit - fixed) / ub) if ub > 0 and limit - fixed >= ub else -1
+
+
+def stage_memory(profile: Profile, stages: Sequence[Stage] | Plan, schedule: str = "pipedream",
+                 microbatches: int = 1) -> list[float]:
+    """Bytes per worker of each stage of a plan under ``schedule`` (see the module docstring)."""
+    stage_list = stages.stages if isinstance(stages, Plan) else list(stages)
+    arr = stage_arrays(profile, [s.nodes for s in stage_list])
+    model = MemoryModel(schedule, microbatches, profile.optimizer_state_bytes_per_parameter_byte)
+    reps = [int(s.replicas) for s in stage_list]
+    out = []
+    for k in range(len(stage_list)):
+        out.append(model.bytes(arr.params[k], arr.act[k], arr.cuts[k], sum(reps[k:]), reps[k]))
+    return out
+
+
+def max_units_array(model: MemoryModel, params, act, inp, limit: float):
+    """Vectorised :meth:`MemoryModel.max_units` over numpy arrays (``inf``: any, ``-1``: none)."""
+    import numpy as np
+
+    params = np.asarray(params, dtype=float)
+    ub = (np.asarray(act, dtype=float) + np.asarray(inp, dtype=float)) / (1 if model.schedule == "pipedream" else model.microbatches)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if model.schedule == "pipedream":
+            per = params + ub
+            room = limit - (1.0 + model.optimizer_state) * params
+            q = np.where(per > 0, np.floor(room / np.where(per > 0, per, 1.0)), np.where(room >= 0, np.inf, -1.0))
+            return np.where(q >= 1, q, -1.0)
+        fixed = (model.copies(1) + 1.0 + model.optimizer_state) * params
+        whole = fixed + model.microbatches * ub <= limit
+        if model.schedule == "gpipe":
+            return np.where(whole, np.inf, -1.0)
+        q = np.where(ub > 0, np.floor((limit - fixed) / np.where(ub > 0, ub, 1.0)), -1.0)
+        return np.where(whole, np.inf, np.where(q >= 1, q, -1.0))

@@ -1,0 +1,183 @@
+"""Reading and writing profiles: JSON version 1 and PipeDream's text format.
+
+``load_profile(path)`` picks the reader by extension (``.txt``: PipeDream text, anything
+else: JSON). Every reader returns nodes in a topological order (stable: a file already in
+topological order keeps its order) and rejects cycles, duplicate names, edges to unknown
+nodes and negative costs with a one-line :class:`~pipetrain.errors.ProfileError`.
+
+Example::
+
+    >>> prof = load_profile("../shared/profiles/vgg16.txt")      # doctest: +SKIP
+    >>> save_profile(prof, "vgg16.json"); load_profile("vgg16.json").names == prof.names
+    True
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+from ..errors import ProfileError
+from .types import PROFILE_VERSION, NodeProfile, Profile
+
+#: Fields every JSON node must have (``op``, ``inputs`` and ``kind`` have defaults).
+REQUIRED_NODE_FIELDS = ("name", "forward_time", "backward_time", "activation_bytes", "parameter_bytes")
+
+
+# -- graph checks shared by both readers ------------------------------------------------
+def check_costs(node: NodeProfile, where: str) -> None:
+    """Reject negative or non-finite times and sizes of ``node`` (``where`` names the file)."""
+    for attr in ("forward_time", "backward_time", "activation_bytes", "parameter_bytes"):
+        v = getattr(node, attr)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or math.isinf(v) or v < 0:
+            raise ProfileError(
+                f"{where}: node {node.name!r} has {attr}={v!r}; times and sizes must be finite numbers >= 0; fix the profile"
+            )
+
+
+def topological_nodes(nodes: list[NodeProfile], where: str,
+                      key: Callable[[NodeProfile], Any] | None = None) -> list[NodeProfile]:
+    """Return ``nodes`` in a topological order, checking names, edges and cycles.
+
+    If ``nodes`` is already topological it is returned in the same order; otherwise Kahn's
+    algorithm picks, among ready nodes, the smallest ``key`` (default: position in the list).
+    Raises ProfileError for a duplicate name, an input naming an unknown node, or a cycle
+    (naming one node on it).
+    """
+    pos: dict[str, int] = {}
+    for i, n in enumerate(nodes):
+        if n.name in pos:
+            raise ProfileError(f"{where}: node name {n.name!r} appears twice; node names must be unique; rename one")
+        pos[n.name] = i
+    for n in nodes:
+        for src in n.inputs:
+            if src not in pos:
+                raise ProfileError(
+                    f"{where}: node {n.name!r} reads {src!r}, which is not a node of the profile; "
+                    f"every edge must join two listed nodes; add node {src!r} or remove the edge"
+                )
+    if all(pos[src] < pos[n.name] for n in nodes for src in n.inputs):
+        return list(nodes)
+    keyf = key or (lambda nd: pos[nd.name])
+    indeg = [len(set(n.inputs)) for n in nodes]
+    succ: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        for src in dict.fromkeys(n.inputs):
+            succ[pos[src]].append(i)
+    heap = [(keyf(nodes[i]), i) for i in range(len(nodes)) if indeg[i] == 0]
+    heapq.heapify(heap)
+    out: list[NodeProfile] = []
+    while heap:
+        _, i = heapq.heappop(heap)
+        out.append(nodes[i])
+        for s in succ[i]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                heapq.heappush(heap, (keyf(nodes[s]), s))
+    if len(out) < len(nodes):
+        left = {i for i in range(len(nodes)) if indeg[i] > 0}
+        # Walk backwards along unfinished inputs until a node repeats: it lies on a cycle.
+        i = min(left)
+        seen: set[int] = set()
+        while i not in seen:
+            seen.add(i)
+            i = next(pos[s] for s in nodes[i].inputs if pos[s] in left)
+        raise ProfileError(
+            f"{where}: the graph has a cycle through node {nodes[i].name!r}; a profile must be a DAG; remove the edge that closes the cycle"
+        )
+    return out
+
+
+# -- JSON ----------------------------------------------------------------------------------
+def profile_to_dict(profile: Profile) -> dict[str, Any]:
+    """The JSON (version 1) form of ``profile``."""
+    return {
+        "version": PROFILE_VERSION,
+        "model": profile.model,
+        "batch_size": profile.batch_size,
+        "device": profile.device,
+        "optimizer": profile.optimizer,
+        "optimizer_state_bytes_per_parameter_byte": profile.optimizer_state_bytes_per_parameter_byte,
+        "nodes": [
+            {"name": n.name, "op": n.op, "kind": n.kind, "forward_time": n.forward_time,
+             "backward_time": n.backward_time, "activation_bytes": n.activation_bytes,
+             "parameter_bytes": n.parameter_bytes, "inputs": list(n.inputs)}
+            for n in profile.nodes
+        ],
+    }
+
+
+def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
+    """Build and validate a Profile from its JSON (version 1) form; ``source`` names it in errors."""
+    if not isinstance(d, dict):
+        raise ProfileError(f"{source}: a profile must be a JSON object, got {type(d).__name__}; write it with save_profile or `pipetrain profile`")
+    if "version" not in d:
+        raise ProfileError(f"{source}: missing field 'version'; a profile needs \"version\": {PROFILE_VERSION}; add it or regenerate the profile")
+    if d["version"] != PROFILE_VERSION:
+        raise ProfileError(
+            f"{source}: profile version {d['version']!r} is not supported (this pipetrain reads version {PROFILE_VERSION}); regenerate it with `pipetrain profile`"
+        )
+    raw = d.get("nodes")
+    if not isinstance(raw, list):
+        raise ProfileError(f"{source}: field 'nodes' must be a list of node objects, got {type(raw).__name__}; add the nodes")
+    nodes: list[NodeProfile] = []
+    for i, nd in enumerate(raw):
+        if not isinstance(nd, dict):
+            raise ProfileError(f"{source}: node {i} must be an object, got {type(nd).__name__}; fix the profile")
+        label = nd.get("name", i)
+        for f in REQUIRED_NODE_FIELDS:
+            if f not in nd:
+                raise ProfileError(f"{source}: node {label!r} misses field {f!r}; every node needs {', '.join(REQUIRED_NODE_FIELDS)}; add it")
+        inputs = nd.get("inputs", [])
+        if not isinstance(inputs, list) or not all(isinstance(s, str) for s in inputs):
+            raise ProfileError(f"{source}: node {label!r} has inputs={inputs!r}; inputs must be a list of node names; fix it")
+        node = NodeProfile(
+            name=str(nd["name"]), op=str(nd.get("op", "")), forward_time=nd["forward_time"],
+            backward_time=nd["backward_time"], activation_bytes=nd["activation_bytes"],
+            parameter_bytes=nd["parameter_bytes"], inputs=list(inputs), kind=str(nd.get("kind", "module")),
+        )
+        check_costs(node, source)
+        nodes.append(node)
+    batch = d.get("batch_size")
+    if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
+        raise ProfileError(f"{source}: batch_size={batch!r} must be a positive integer or null; fix it")
+    osb = d.get("optimizer_state_bytes_per_parameter_byte", 1.0)
+    if not isinstance(osb, (int, float)) or osb < 0:
+        raise ProfileError(f"{source}: optimizer_state_bytes_per_parameter_byte={osb!r} must be a number >= 0; fix it")
+    return Profile(
+        model=str(d.get("model", "")), batch_size=batch, nodes=topological_nodes(nodes, source),
+        device=str(d.get("device", "unknown")), optimizer=str(d.get("optimizer", "sgd")),
+        optimizer_state_bytes_per_parameter_byte=float(osb),
+    )
+
+
+def save_profile(profile: Profile, path: str | Path) -> None:
+    """Write ``profile`` as JSON version 1 (whatever the extension)."""
+    Path(path).write_text(json.dumps(profile_to_dict(profile), indent=1))
+
+
+def load_profile(path: str | Path) -> Profile:
+    """Read a profile: PipeDream text for ``.txt``, JSON version 1 otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise ProfileError(
+            f"profile file {str(p)!r} does not exist; create one with `pipetrain profile MODEL --output {p.name}` or pass a PipeDream .txt profile"
+        )
+    if p.suffix.lower() == ".txt":
+        from .pipedream_txt import load_pipedream_txt
+
+        return load_pipedream_txt(p)
+    try:
+        d = json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ProfileError(
+            f"profile file {str(p)!r} is not JSON ({e}); profiles are JSON version 1 or PipeDream text with a .txt extension; regenerate it"
+        ) from None
+    return profile_from_dict(d, str(p))
+
+
+def names_of(nodes: Iterable[NodeProfile]) -> list[str]:
+    """Names of ``nodes`` (a small helper for callers and tests)."""
+    return [n.name for n in nodes]
