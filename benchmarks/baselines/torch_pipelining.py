@@ -1,0 +1,61 @@
+"""PyTorch ``torch.distributed.pipelining`` (torch 2.13) on the same two-stage split.
+
+Each rank wraps its half (``common.split_stages``) in a ``PipelineStage`` built from
+example *microbatch* tensors (``input_args``/``output_args``: the schedule splits the
+minibatch along dimension 0 into ``m`` chunks), then runs ``ScheduleGPipe`` (all forwards,
+then all backwards) or ``Schedule1F1B`` (one forward, one backward in steady state) with the
+loss on the last stage. Gradients are scaled by 1/m (``scale_grads``), so the SGD step
+after ``schedule.step`` uses the full batch's mean gradient, like ``single``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import common
+from baselines.local import stage_activations
+from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
+
+
+def run_torch_pipe(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any]:
+    """Stage ``rank`` of ScheduleGPipe / Schedule1F1B with ``microbatches`` chunks."""
+    import torch
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    rank, world, m = spec["rank"], spec["world"], spec["microbatches"]
+    if bm.batch_size % m:
+        raise SystemExit(f"batch {bm.batch_size} is not divisible by {m} microbatches")
+    stages = common.split_stages(bm.layers, world, spec.get("cuts"))
+    inputs, target = fixed_batch(bm, spec["seed"])
+    mb_acts = stage_activations(stages, tuple(a[: bm.batch_size // m] for a in inputs))
+    mod = stages[rank]
+    is_first, is_last = rank == 0, rank == world - 1
+    static = True
+    try:
+        stage = PipelineStage(mod, rank, world, torch.device("cpu"),
+                              input_args=mb_acts[rank], output_args=mb_acts[rank + 1])
+    except Exception:  # shape inference from the first microbatch instead
+        static = False
+        stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
+    sched = cls(stage, n_microbatches=m, loss_fn=bm.loss_fn if is_last else None)
+    opt = torch.optim.SGD(mod.parameters(), lr=LR)
+    if not is_first:
+        inputs = ()  # only stage 0 reads the minibatch
+    del stages, mb_acts
+    mem = begin_training_phase(bm)
+    last: list[float] = [float("nan")]
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=True)
+        if is_first:
+            sched.step(*inputs, return_outputs=False)
+        elif is_last:
+            losses: list[Any] = []
+            sched.step(target=target, losses=losses, return_outputs=False)
+            last[0] = float(torch.stack([l.detach() for l in losses]).mean())
+        else:
+            sched.step(return_outputs=False)
+        opt.step()
+
+    elapsed, times = common.timed_loop(step, spec["warmup"], spec["steps"], sync=barrier)
+    return {"elapsed_s": elapsed, "step_times": times, "loss": last[0], "static_stage": static, **mem}

@@ -1,0 +1,128 @@
+"""Checkpoints: the whole model's state_dict under the original names, plus a trainer sidecar.
+
+Files written by ``--save PATH`` (each atomically: a temporary file, then ``os.replace``):
+
+- ``PATH``: ``torch.save`` of a plain ``{name: tensor}`` dict with exactly the keys of the
+  original ``model.state_dict()`` (parameters at their newest version, gathered from replica 0
+  of every stage, and buffers), loadable in one process with ``model.load_state_dict``;
+- ``PATH.trainer``: ``{"format": "pipetrain-trainer", "version": 1, "step": minibatches done,
+  "model": spec, "model_options": {...}, "optimizer": {...}, "optimizer_state": {param name:
+  {...}}, "stage_steps": {param name: optimizer steps of its stage}}``.
+
+Optimizer state is keyed by parameter name (not by stage), so a run may resume under a
+different plan. ``--resume PATH`` continues from ``step``: data, learning-rate schedule and
+optimizer state pick up where they stopped (for flushed schedules this equals an
+uninterrupted run; asynchronous schedules restart their pipeline, i.e. drain at the save).
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from torch import Tensor
+
+from ..errors import RuntimeConfigError
+
+__all__ = ["TrainerState", "save_checkpoint", "load_checkpoint", "trainer_path"]
+
+FORMAT = "pipetrain-trainer"
+VERSION = 1
+
+
+def trainer_path(path: str | Path) -> Path:
+    """The sidecar of a checkpoint: ``PATH.trainer``."""
+    return Path(str(path) + ".trainer")
+
+
+@dataclass
+class TrainerState:
+    """What ``--resume`` needs besides the weights."""
+
+    step: int
+    model: str
+    model_options: dict[str, Any]
+    optimizer: dict[str, Any]
+    optimizer_state: dict[str, dict[str, Any]]
+    stage_steps: dict[str, int]
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def save_checkpoint(path: str | Path, state_dict: Mapping[str, Tensor], trainer: TrainerState) -> None:
+    """Write ``PATH`` (the state_dict) and ``PATH.trainer``, each atomically."""
+    path = Path(path)
+    _atomic_save({k: v.detach().cpu() for k, v in state_dict.items()}, path)
+    _atomic_save({"format": FORMAT, "version": VERSION, "step": trainer.step, "model": trainer.model,
+                  "model_options": dict(trainer.model_options), "optimizer": dict(trainer.optimizer),
+                  "optimizer_state": trainer.optimizer_state, "stage_steps": dict(trainer.stage_steps)},
+                 trainer_path(path))
+
+
+def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], TrainerState]:
+    """Read a checkpoint written by :func:`save_checkpoint`."""
+    path = Path(path)
+    if not path.exists():
+        raise RuntimeConfigError(f"checkpoint {str(path)!r} does not exist; write one with --save {path}")
+    side = trainer_path(path)
+    if not side.exists():
+        raise RuntimeConfigError(
+            f"checkpoint {str(path)!r} has no trainer state {side.name!r} next to it; --resume needs both files "
+            f"written by --save")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    raw = torch.load(side, map_location="cpu", weights_only=False)
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise RuntimeConfigError(f"{side} is not a pipetrain trainer state (written by --save)")
+    return state, TrainerState(int(raw["step"]), str(raw["model"]), dict(raw["model_options"]),
+                               dict(raw["optimizer"]), dict(raw["optimizer_state"]), dict(raw["stage_steps"]))
+
+
+def torch_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, dict[str, Any]]:
+    """A torch.optim optimizer's state keyed by parameter name (``names`` in param order)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    out: dict[str, dict[str, Any]] = {}
+    for name, p in zip(names, params):
+        st = optimizer.state.get(p)
+        if not st:
+            continue
+        d: dict[str, Any] = {}
+        for k, v in st.items():
+            if k == "step":
+                d[k] = int(v.item()) if isinstance(v, Tensor) else int(v)
+            elif isinstance(v, Tensor):
+                d[k] = v.detach().cpu().clone()
+        out[name] = d
+    return out
+
+
+def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str],
+                               state: Mapping[str, Mapping[str, Any]]) -> None:
+    """Put name-keyed state (from a checkpoint) into a torch.optim optimizer."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for name, p in zip(names, params):
+        st = state.get(name)
+        if not st:
+            continue
+        d: dict[str, Any] = {}
+        for k, v in st.items():
+            if k == "step":
+                d[k] = torch.tensor(float(v))
+            elif isinstance(v, Tensor):
+                d[k] = v.to(p.device).clone()
+        optimizer.state[p] = d

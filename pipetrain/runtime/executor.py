@@ -1,0 +1,464 @@
+"""The executor: runs one worker's action list through one table of handlers keyed by Op.
+
+The action list is the schedule's (the same data the simulator runs); the executor adds
+nothing to it. Per action::
+
+    F      stage 0 takes the unit's inputs, other stages the received values; runs the stage
+           with the weights of the action's version (torch.func.functional_call); the last
+           stage computes loss_fn(output, target) of the unit
+    B      backward of that forward with the received output gradients (last stage: of the
+           loss), through the same version's weights (stashed by reference); accumulates the
+           weight gradients into the stage's current group
+    I, W   the input-gradient and weight-gradient halves of B (zero-bubble schedules)
+    SEND_*, RECV_*   through :class:`~pipetrain.runtime.comm.Comm` (receives are posted
+           ``lookahead`` actions ahead)
+    ALLREDUCE        start summing the group's gradient over the stage's replicas
+    STEP   mean gradient = sum / units in the group (design.md's gradient accounting),
+           optional clipping, optimizer on the newest version -> version k+1
+
+Gradient clipping: synchronous schedules clip by the global norm over all stages (each rank
+adds its stages' squared norms, divided by their replica counts, in one all-reduce at the
+step); asynchronous schedules (pipedream, 2bw), whose stages step at different times on
+different versions, clip each stage by its own norm.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence, TextIO
+
+import torch
+from torch import Tensor
+from torch.func import functional_call
+
+from ..schedule.action import COMPUTE_OPS, Action, Op
+from .comm import Comm
+from .config import LRSchedule
+from .data import UnitData
+from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
+from .stage import StageModule
+from .versions import WeightVersions, version_last_use
+
+__all__ = ["StageRuntime", "Executor", "TimedEvent"]
+
+
+@dataclass
+class TimedEvent:
+    """One executed action with its wall-clock interval (seconds since the segment start)."""
+
+    action: Action
+    start: float
+    end: float
+
+
+class StageRuntime:
+    """Everything a worker keeps for one of its stages: module, versions, optimizer, gradients."""
+
+    def __init__(self, stage: StageModule, optimizer: FunctionalOptimizer, replicas: int,
+                 device: torch.device) -> None:
+        self.stage = stage
+        self.index = stage.index
+        self.replicas = replicas
+        self.optimizer = optimizer
+        mod = stage.module.to(device)
+        named = dict(mod.named_parameters())
+        initial = {n: named[n].detach().requires_grad_(named[n].requires_grad) for n in stage.param_names}
+        self.trainable = [n for n in stage.param_names if named[n].requires_grad]
+        # The module keeps only shapes (meta tensors): the weights live in the versions, so a
+        # dropped version's memory is really freed. functional_call binds a version per call.
+        for n in stage.param_names:
+            owner, _, leaf = n.rpartition(".")
+            sub = mod.get_submodule(owner) if owner else mod
+            setattr(sub, leaf, torch.nn.Parameter(torch.empty_like(named[n], device="meta"),
+                                                  requires_grad=named[n].requires_grad))
+        self.versions = WeightVersions(initial)
+        self.lr_total = 1  # horizon of the LR schedule, in this stage's steps
+        self._acc: dict[str, Tensor] = {}
+        self.acc_count = 0
+        # Replicated stages accumulate straight into flat all-reduce buffers (one per dtype;
+        # the last element of each carries the unit count).
+        self.flats: dict[torch.dtype, Tensor] = {}
+        self.views: dict[str, Tensor] = {}
+        self._touched: set[str] = set()
+        self.pending: list[Any] = []
+        self.ready_grads: dict[str, Tensor | None] | None = None
+        if replicas > 1:
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for n in self.trainable:
+                by_dtype.setdefault(initial[n].dtype, []).append(n)
+            for dt, names in by_dtype.items():
+                total = sum(initial[n].numel() for n in names)
+                flat = torch.zeros(total + 1, dtype=dt, device=device)
+                off = 0
+                for n in names:
+                    k = initial[n].numel()
+                    self.views[n] = flat[off:off + k].view_as(initial[n])
+                    off += k
+                self.flats[dt] = flat
+
+    # -- gradient accumulation ------------------------------------------------------------
+    def accumulate(self, grads: Sequence[Tensor | None]) -> None:
+        """Add one unit's weight gradients (aligned with :attr:`trainable`) to the group."""
+        self.acc_count += 1
+        for n, g in zip(self.trainable, grads):
+            if g is None:
+                continue
+            if self.views:
+                v = self.views[n]
+                if n in self._touched:
+                    v.add_(g)
+                else:
+                    v.copy_(g)
+                    self._touched.add(n)
+            else:
+                cur = self._acc.get(n)
+                if cur is None:
+                    self._acc[n] = g  # fresh tensor from autograd: owned, no copy
+                else:
+                    cur.add_(g)
+
+    def start_allreduce(self, comm: Comm) -> None:
+        for n, v in self.views.items():
+            if n not in self._touched:
+                v.zero_()
+        for flat in self.flats.values():
+            flat[-1] = float(self.acc_count)
+            work = comm.allreduce_start(self.index, flat)
+            if work is not None:
+                self.pending.append(work)
+
+    def mean_gradients(self) -> dict[str, Tensor | None]:
+        """Finish the group: wait for the all-reduce, divide by the group's unit count."""
+        for w in self.pending:
+            w.wait()
+        self.pending = []
+        if self.views:
+            count = float(next(iter(self.flats.values()))[-1].item()) if self.flats else float(self.acc_count)
+            if count <= 0:
+                raise RuntimeError(f"stage {self.index}: STEP with no accumulated units")
+            for flat in self.flats.values():
+                if count != 1:
+                    flat[:-1].div_(count)
+            grads: dict[str, Tensor | None] = {n: (self.views[n] if n in self.views else None) for n in self.trainable}
+        else:
+            count = float(self.acc_count)
+            if count <= 0:
+                raise RuntimeError(f"stage {self.index}: STEP with no accumulated units")
+            grads = {n: self._acc.get(n) for n in self.trainable}
+            if count != 1:
+                for g in grads.values():
+                    if g is not None:
+                        g.div_(count)
+        return grads
+
+    def apply(self, grads: dict[str, Tensor | None], base_lr: float, schedule: LRSchedule,
+              clip: float | None = None, coef: float | None = None) -> None:
+        """Optimizer step on the newest version -> a new version; resets the group."""
+        if coef is None and clip is not None:  # per-stage clipping (asynchronous schedules)
+            coef = clip_coefficient(math.sqrt(sum_of_squares(grads.values())), clip)
+        if coef is not None and coef < 1.0:
+            for g in grads.values():
+                if g is not None:
+                    g.mul_(coef)
+        lr = schedule.lr(base_lr, self.optimizer.steps, self.lr_total)
+        new = self.optimizer.apply(self.versions.latest, grads, lr, out=self.versions.spare())
+        self.versions.push(new)
+        self._acc = {}
+        self._touched = set()
+        self.acc_count = 0
+
+
+@dataclass
+class _Unit:
+    """A forward in flight at one stage: what its backward needs."""
+
+    version: int
+    params: dict[str, Tensor]
+    leaves: list[Tensor]            # received wires that require grad
+    outputs: list[Tensor]           # wires whose gradient comes back (or the loss)
+    recv_action: Action | None      # the RECV_F whose buffers to release
+    recv_bufs: list[Tensor] = field(default_factory=list)
+    grad_bufs: list[Tensor] | None = None
+    grad_action: Action | None = None
+
+
+class Executor:
+    """Runs one worker's actions (see the module docstring).
+
+    Args:
+        rank: the worker's rank.
+        stages: its stages (several for interleaved schedules).
+        comm: the communication object.
+        data: per-unit inputs and targets.
+        loss_fn: ``loss_fn(output, target)``, the mean over the unit's samples.
+        base_lr, lr_schedule, clip, global_clip: the optimizer step settings.
+        lookahead: actions ahead to post receives for.
+        record: keep a :class:`TimedEvent` per action (traces).
+        fail_at: hidden debug option, ``(rank, step, "raise" | "hang")``: this rank raises
+            (or blocks forever) at its first forward of that step.
+        log: ``(stream, every)`` to print the loss of every ``every``-th step (last stage).
+    """
+
+    def __init__(self, rank: int, stages: dict[int, StageRuntime], comm: Comm, data: UnitData,
+                 loss_fn: Callable[[Any, Any], Tensor], base_lr: float, lr_schedule: LRSchedule,
+                 clip: float | None = None, global_clip: bool = False, lookahead: int = 8,
+                 record: bool = False, fail_at: tuple[int, int, str] | None = None,
+                 log: tuple[TextIO, int] | None = None, lr_totals: dict[int, int] | None = None) -> None:
+        self.rank = rank
+        self.stages = stages
+        self.comm = comm
+        self.data = data
+        self.loss_fn = loss_fn
+        self.base_lr = base_lr
+        self.lr_schedule = lr_schedule
+        self.clip = clip
+        self.global_clip = global_clip and clip is not None
+        self.lookahead = lookahead
+        self.record = record
+        self.fail_at = fail_at
+        self.log = log
+        self.lr_totals = lr_totals
+        self.events: list[TimedEvent] = []
+        self.losses: dict[int, Tensor] = {}  # unit -> loss (last stage)
+        self._units: dict[tuple[int, int], _Unit] = {}
+        self._inbox: dict[tuple[int, int, int], tuple[list[Tensor], Action]] = {}
+        self._outbox: dict[tuple[int, int, int], list[Tensor]] = {}
+        self._deferred: list[tuple[StageRuntime, dict[str, Tensor | None]]] = []
+        self._last_step_pos: set[int] = set()
+        self._group_units: dict[int, list[int]] = {}
+        self._logged = 0
+        self._pos = 0
+        self.t0 = time.perf_counter()
+        self.handlers: dict[Op, Callable[[Action], None]] = {
+            Op.F: self._forward, Op.B: self._backward, Op.I: self._backward_input, Op.W: self._backward_weight,
+            Op.SEND_F: self._send, Op.SEND_B: self._send, Op.RECV_F: self._recv, Op.RECV_B: self._recv,
+            Op.ALLREDUCE: self._allreduce, Op.STEP: self._step,
+        }
+
+    # -- the loop ----------------------------------------------------------------------
+    def run(self, actions: Sequence[Action]) -> None:
+        """Execute ``actions`` in order (one schedule segment)."""
+        self._prepare(actions)
+        post = 0
+        n = len(actions)
+        recv_ops = (Op.RECV_F, Op.RECV_B)
+        record = self.record
+        for i, a in enumerate(actions):
+            limit = min(n, i + 1 + self.lookahead)
+            while post < limit:
+                if actions[post].op in recv_ops:
+                    self.comm.post(actions[post])
+                post += 1
+            self._pos = i
+            t = time.perf_counter()
+            self.handlers[a.op](a)
+            if record:
+                self.events.append(TimedEvent(a, t - self.t0, time.perf_counter() - self.t0))
+            if a.op in COMPUTE_OPS or a.op is Op.STEP:
+                self.stages[a.stage].versions.release(i)
+        if self._units or self._inbox or self._outbox:
+            left = sorted(set(k[:2] for k in self._units) | set(k[:2] for k in self._inbox))[:4]
+            raise RuntimeError(f"rank {self.rank}: the schedule left units unfinished: (stage, unit) {left}")
+
+    def _prepare(self, actions: Sequence[Action]) -> None:
+        """Version liveness and step positions of this segment; stage horizons for the LR schedule."""
+        for k, st in self.stages.items():
+            uses = [(i, a.version) for i, a in enumerate(actions)
+                    if a.stage == k and a.op in COMPUTE_OPS and a.version is not None]
+            st.versions.rebase(version_last_use(uses))
+            if self.lr_totals is not None and k in self.lr_totals:
+                st.lr_total = max(1, self.lr_totals[k])
+            else:
+                nsteps = sum(1 for a in actions if a.stage == k and a.op is Op.STEP)
+                st.lr_total = max(1, st.optimizer.steps + nsteps)
+        last_pos: dict[int, int] = {}
+        for i, a in enumerate(actions):
+            if a.op is Op.STEP:
+                last_pos[a.mb] = i
+        self._last_step_pos = set(last_pos.values())
+
+    # -- compute -----------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        sm = st.stage
+        if self.fail_at is not None and self.fail_at[0] == self.rank and self.data.step_of(a.mb) >= self.fail_at[1]:
+            if self.fail_at[2] == "hang":  # a stuck worker: the others must time out, not hang
+                while True:
+                    time.sleep(3600)
+            raise RuntimeError(
+                f"debug failure injected on rank {self.rank} at step {self.data.step_of(a.mb)} (--debug-fail)")
+        leaves: list[Tensor] = []
+        bufs: list[Tensor] = []
+        recv_action = None
+        if sm.is_first:
+            values = list(self.data.unit(a.mb)[0])
+        else:
+            bufs, recv_action = self._inbox.pop((a.stage, a.mb, 0))
+            codec = sm.in_codec
+            assert codec is not None
+            wires = list(bufs)
+            for i in codec.grad_indices:
+                wires[i] = bufs[i].detach().requires_grad_(True)
+                leaves.append(wires[i])
+            values = codec.decode(wires)
+        version = a.version if a.version is not None else st.versions.newest
+        params = st.versions.get(version)
+        with torch.enable_grad():
+            out = functional_call(sm.module, params, tuple(values))
+            if sm.is_last:
+                loss = self.loss_fn(sm.finish_output(out), self.data.unit(a.mb)[1])
+                self.losses[a.mb] = loss.detach()
+                outputs = [loss]
+            else:
+                codec = sm.out_codec
+                assert codec is not None
+                wires_out = codec.encode(out, self.comm.device)
+                self._outbox[(a.stage, a.mb, 0)] = wires_out
+                outputs = [wires_out[i] for i in codec.grad_indices]
+        self._units[(a.stage, a.mb)] = _Unit(version, params, leaves, outputs, recv_action, bufs)
+
+    def _grad_outputs(self, a: Action, u: _Unit) -> list[Tensor] | None:
+        if self.stages[a.stage].stage.is_last:
+            return None
+        if u.grad_bufs is None:
+            bufs, action = self._inbox.pop((a.stage, a.mb, 1))
+            u.grad_bufs, u.grad_action = bufs, action
+        return u.grad_bufs
+
+    def _differentiable(self, u: _Unit, gouts: list[Tensor] | None) -> tuple[list[Tensor], list[Tensor] | None]:
+        """Outputs that carry a graph, with their gradients."""
+        if gouts is None:
+            return u.outputs, None
+        outs, gs = [], []
+        for o, g in zip(u.outputs, gouts):
+            if o.requires_grad:
+                outs.append(o)
+                gs.append(g)
+        return outs, gs
+
+    def _grads(self, outs: list[Tensor], gouts: list[Tensor] | None, inputs: list[Tensor],
+               retain: bool) -> list[Tensor | None]:
+        if not outs or not inputs:
+            return [None] * len(inputs)
+        return list(torch.autograd.grad(outs, inputs, grad_outputs=gouts, allow_unused=True, retain_graph=retain))
+
+    def _backward(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        u = self._units.pop((a.stage, a.mb))
+        self._check_version(a, u)
+        outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
+        params = [u.params[n] for n in st.trainable]
+        grads = self._grads(outs, gouts, u.leaves + params, retain=False)
+        nleaf = len(u.leaves)
+        self._finish_input_grads(a, u, grads[:nleaf])
+        st.accumulate(self._owned(grads[nleaf:], u))
+        self._note_unit(a)
+        self._release(u)
+
+    def _backward_input(self, a: Action) -> None:
+        u = self._units[(a.stage, a.mb)]
+        self._check_version(a, u)
+        outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
+        grads = self._grads(outs, gouts, u.leaves, retain=True) if u.leaves else []
+        self._finish_input_grads(a, u, grads)
+
+    def _backward_weight(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        u = self._units.pop((a.stage, a.mb))
+        self._check_version(a, u)
+        outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
+        params = [u.params[n] for n in st.trainable]
+        st.accumulate(self._owned(self._grads(outs, gouts, params, retain=False), u))
+        self._note_unit(a)
+        self._release(u)
+
+    def _finish_input_grads(self, a: Action, u: _Unit, grads: list[Tensor | None]) -> None:
+        sm = self.stages[a.stage].stage
+        if sm.is_first:
+            return
+        codec = sm.in_codec
+        assert codec is not None
+        out: list[Tensor] = []
+        for i, g in zip(codec.grad_indices, grads):
+            out.append(self.comm.zeros(codec.specs[i]) if g is None else g)
+        self._outbox[(a.stage, a.mb, 1)] = self._owned(out, u)  # type: ignore[assignment]
+
+    def _owned(self, grads: Sequence[Tensor | None], u: _Unit) -> list[Tensor | None]:
+        """Gradients that alias a receive buffer (a value passed straight through) are copied,
+        since the buffer goes back to the pool."""
+        if not u.grad_bufs:
+            return list(grads)
+        ptrs = {b.untyped_storage().data_ptr() for b in u.grad_bufs}
+        return [g.clone() if g is not None and g.untyped_storage().data_ptr() in ptrs else g for g in grads]
+
+    def _note_unit(self, a: Action) -> None:
+        if self.log is not None and self.stages[a.stage].stage.is_last:
+            self._group_units.setdefault(a.stage, []).append(a.mb)
+
+    def _release(self, u: _Unit) -> None:
+        if u.recv_action is not None:
+            self.comm.release(u.recv_bufs, u.recv_action)
+        if u.grad_bufs is not None and u.grad_action is not None:
+            self.comm.release(u.grad_bufs, u.grad_action)
+
+    def _check_version(self, a: Action, u: _Unit) -> None:
+        if a.version is not None and a.version != u.version:
+            raise RuntimeError(
+                f"rank {self.rank}: {a.long} uses version {a.version} but its forward used {u.version}; "
+                f"design.md requires B to use its F's version")
+
+    # -- transfers ---------------------------------------------------------------------
+    def _send(self, a: Action) -> None:
+        d = 0 if a.op is Op.SEND_F else 1
+        tensors = self._outbox.pop((a.stage, a.mb, d))
+        self.comm.send(a, tensors)
+
+    def _recv(self, a: Action) -> None:
+        d = 0 if a.op is Op.RECV_F else 1
+        self._inbox[(a.stage, a.mb, d)] = (self.comm.wait(a), a)
+
+    # -- updates -----------------------------------------------------------------------
+    def _allreduce(self, a: Action) -> None:
+        self.stages[a.stage].start_allreduce(self.comm)
+
+    def _step(self, a: Action) -> None:
+        st = self.stages[a.stage]
+        if a.mb != st.versions.newest:
+            raise RuntimeError(
+                f"rank {self.rank}: {a} would make version {a.mb + 1} but stage {a.stage}'s newest version is "
+                f"{st.versions.newest}; STEP k must follow STEP k-1")
+        grads = st.mean_gradients()
+        if not self.global_clip:
+            st.apply(grads, self.base_lr, self.lr_schedule, clip=self.clip)
+        else:
+            # Global norm (synchronous schedules): once every local stage has its step-k
+            # gradient, one all-reduce over ranks; each replica adds sumsq / replicas.
+            self._deferred.append((st, grads))
+            if self._pos in self._last_step_pos:
+                local = sum(sum_of_squares(g.values()) / s.replicas for s, g in self._deferred)
+                total = math.sqrt(max(0.0, self.comm.sum_over_ranks(local)))
+                coef = clip_coefficient(total, self.clip)  # type: ignore[arg-type]
+                for s, g in self._deferred:
+                    s.apply(g, self.base_lr, self.lr_schedule, coef=coef)
+                self._deferred = []
+        if self.log is not None and st.stage.is_last:
+            self._log_step(a)
+
+    def _log_step(self, a: Action) -> None:
+        """Print the loss of the minibatches this STEP completes (last stage, every n-th step)."""
+        stream, every = self.log  # type: ignore[misc]
+        units = self._group_units.pop(a.stage, [])
+        if not every or not units:
+            return
+        step = max(self.data.step_of(u) for u in units)
+        bucket = (step + 1) // every
+        if bucket > self._logged:  # a replicated last stage sees every r-th step only
+            self._logged = bucket
+            loss = sum(float(self.losses[u]) for u in units) / len(units)
+            print(f"step {step + 1}: loss {loss:.6f}", file=stream, flush=True)
+
+    # -- results -----------------------------------------------------------------------
+    def unit_losses(self) -> dict[int, float]:
+        return {u: float(v) for u, v in self.losses.items()}

@@ -1,0 +1,389 @@
+"""One worker (rank) of a training run: set up, run the schedule, report.
+
+:func:`run_rank` is what every process executes, whether started by ``pipetrain train
+--workers N`` (through torchrun's launcher API, :mod:`pipetrain.runtime.launch`) or by
+``torchrun ... -m pipetrain train`` directly:
+
+1. join the process group (gloo on CPU, NCCL on CUDA; every wait bounded by ``--timeout``);
+2. build the model from the seed, capture it, resolve the plan and the schedule;
+3. build this rank's stage modules, weight versions, optimizers and communication;
+4. run the schedule's action list (an optional untimed warm-up segment first);
+5. gather losses (and, when asked, weights and optimizer state) to rank 0, which writes the
+   checkpoint and the merged trace and returns the run's summary.
+
+A rank that fails records ``rank R: error`` in the rendezvous store before it exits; a rank
+whose transfer then breaks reports that rank as the cause ("rank 0 stopped: rank 1 failed:
+...") instead of a bare connection error.
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ..errors import PipetrainError, RuntimeConfigError
+from ..schedule.action import Op, Schedule
+from .checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from .comm import Comm
+from .config import TrainConfig, parse_debug_fail
+from .data import UnitData
+from .executor import Executor, StageRuntime
+from .optim import FunctionalOptimizer
+from .reference import stage_step_count
+from .resolve import build_run_schedule, check_workers, load_bundle, resolve_batch_size, resolve_plan
+from .stage import boundary_codecs, build_stage_modules, partition_graph, stage_nodes_of_plan
+
+__all__ = ["worker_main", "run_rank", "init_distributed", "tune_malloc", "FAILURE_KEY", "STOPPED_MARK"]
+
+FAILURE_KEY = "pipetrain/failed"
+STOPPED_MARK = "stopped because rank"
+
+
+def tune_malloc() -> bool:
+    """Keep freed memory in the process instead of returning it to the kernel (glibc only).
+
+    Every backward allocates fresh weight-gradient tensors; with glibc's defaults large ones
+    are ``mmap``-ed and unmapped on free, and the heap top is trimmed, so each step pays
+    page faults and kernel zeroing for the same sizes again (a third of a small microbatch's
+    backward on a 2-core machine). Raising the mmap and trim thresholds lets the allocator
+    reuse those pages, as a caching allocator would. Returns whether the setting took.
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_trim_threshold, m_mmap_threshold = -1, -3
+        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1   # glibc's largest allowed threshold
+        ok = libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1 and ok
+        return ok
+    except (OSError, AttributeError):
+        return False
+
+
+def init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
+    """Join (or reuse) the default process group; returns (rank, world size, device)."""
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if cfg.device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeConfigError("--device cuda but CUDA is not available on this machine; use --device cpu")
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if not dist.is_initialized():
+        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout), **kwargs)
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def _store() -> Any:
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except Exception:  # noqa: BLE001 - no store: failures are reported by the launcher only
+        return None
+
+
+def _record_failure(rank: int, exc: BaseException) -> None:
+    store = _store()
+    if store is None:
+        return
+    first = str(exc).splitlines()[0] if str(exc) else ""
+    msg = f"{rank} failed: {type(exc).__name__}: {first}"
+    try:
+        store.compare_set(FAILURE_KEY, "", msg)
+    except Exception:  # noqa: BLE001
+        pass
+
+
+def _failure_of_other(rank: int, wait_s: float = 2.0) -> str | None:
+    """The failure another rank recorded, waiting briefly for it to appear."""
+    store = _store()
+    if store is None:
+        return None
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if store.check([FAILURE_KEY]):
+                msg = store.get(FAILURE_KEY).decode()
+                if msg and not msg.startswith(f"{rank} failed:"):
+                    return msg
+                return None
+        except Exception:  # noqa: BLE001
+            return None
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.05)
+
+
+def worker_main(cfgs: list[TrainConfig]) -> list[dict[str, Any]]:
+    """Entry point of each process started by the local launcher: run every config in turn."""
+    results = []
+    for cfg in cfgs:
+        results.append(run_rank(cfg))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return results
+
+
+def run_rank(cfg: TrainConfig) -> dict[str, Any]:
+    """Run this process's part of a training run; rank 0 returns the run's summary."""
+    rank, world, device = init_distributed(cfg)
+    try:
+        return _run(cfg, rank, world, device)
+    except BaseException as e:
+        other = _failure_of_other(rank) if not isinstance(e, PipetrainError) else None
+        if other is not None:
+            raise RuntimeError(f"rank {rank} {STOPPED_MARK} {other}") from e
+        _record_failure(rank, e)
+        if not isinstance(e, PipetrainError) and dist.is_initialized() and dist.get_world_size() > 1:
+            # Close our connections so that ranks waiting on us fail now (naming us, from the
+            # store) instead of at their timeout; give them a moment to report first.
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+            time.sleep(1.0)
+        raise
+
+
+# --------------------------------------------------------------------------- the run
+
+
+def _run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
+    if cfg.threads is not None and device.type == "cpu":
+        torch.set_num_threads(cfg.threads)
+    if cfg.tune_malloc:
+        tune_malloc()
+    if cfg.workers is not None and cfg.workers != world:
+        raise RuntimeConfigError(
+            f"--workers {cfg.workers} but the process group has {world} ranks; pass --workers {world} or start "
+            f"{cfg.workers} processes")
+    check_workers(cfg, world)
+    batch_size = resolve_batch_size(cfg)
+    cfg_w = _with_workers(cfg, world)
+    m = cfg_w.resolved_microbatches()
+    cfg_w.check_counts(batch_size)
+    unit = batch_size // m
+    bundle = load_bundle(cfg, unit)
+    from ..graph.capture import capture
+
+    original_keys = list(bundle.model.state_dict().keys())
+    captured = capture(bundle.model, bundle.example_inputs)
+    plan, plan_note = resolve_plan(cfg_w, captured, bundle, batch_size, world)
+    segments: list[tuple[str, int]] = []
+    if cfg.warmup_steps:
+        segments.append(("warmup", cfg.warmup_steps))
+    segments.append(("timed", cfg.steps))
+    schedules = [build_run_schedule(cfg_w, plan, m, n) for _, n in segments]
+    schedule = schedules[-1]
+    if schedule.num_workers != world:
+        raise RuntimeConfigError(
+            f"the {cfg.schedule} schedule for plan {plan.config} uses {schedule.num_workers} workers but the run has "
+            f"{world}; pass --workers {schedule.num_workers}")
+    part = partition_graph(captured.gm, stage_nodes_of_plan(plan))
+    codecs = boundary_codecs(captured.gm, part, bundle.example_inputs)
+    mine = schedule.stages_of_rank(rank)
+    modules = build_stage_modules(captured, part, codecs, mine)
+    # State no stage holds (parameters no node reads): kept by rank 0 for checkpoints.
+    extras: dict[str, torch.Tensor] = {}
+    if rank == 0:
+        stage_names = set(part.param_stage) | _buffer_names(captured, part)
+        extras = {k: v.detach().clone() for k, v in bundle.model.state_dict().items() if k not in stage_names}
+    stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedule.stage_ranks[k]), device)
+              for k in mine}
+    del bundle.model, captured  # the stage modules hold what this rank needs
+    start_step = 0
+    if cfg.resume:
+        start_step = _resume(cfg, stages, device)
+    comm = Comm(rank, schedule, [c for c in codecs], device, cfg.timeout,
+                global_clip=cfg.synchronous and cfg.clip_grad_norm is not None)
+    lr_totals = {k: stages[k].optimizer.steps + sum(stage_step_count(s, k) for s in schedules) for k in mine}
+    log_stream = sys.stderr if cfg.log_to_stderr else sys.stdout
+    is_logger = (schedule.num_stages - 1) in mine and rank == schedule.stage_ranks[-1][0] and not cfg.quiet
+    executor = Executor(rank, stages, comm, UnitData(bundle.make_batch, batch_size, m, cfg.seed, start_step, device),
+                        bundle.loss_fn, cfg.optimizer.lr, cfg.lr_schedule, clip=cfg.clip_grad_norm,
+                        global_clip=cfg.synchronous, lookahead=cfg.lookahead, record=cfg.trace is not None,
+                        fail_at=parse_debug_fail(cfg.debug_fail) if cfg.debug_fail else None,
+                        log=(log_stream, cfg.log_every) if is_logger and cfg.log_every else None, lr_totals=lr_totals)
+    step_losses: dict[int, list[float]] = {}
+    offset = start_step
+    wall = 0.0
+    for (kind, n), sched in zip(segments, schedules):
+        executor.data = UnitData(bundle.make_batch, batch_size, m, cfg.seed, offset, device)
+        dist.barrier()
+        t0 = time.perf_counter()
+        if kind == "timed":
+            executor.t0 = t0
+            executor.events = []
+        executor.run(sched.workers[rank])
+        comm.finish(cfg.timeout)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        dist.barrier()
+        if kind == "timed":
+            wall = time.perf_counter() - t0
+        for u, loss in executor.unit_losses().items():
+            step_losses.setdefault(executor.data.step_of(u), []).append(loss)
+        executor.losses = {}
+        offset += n
+    end_step = offset
+    # -- gather to rank 0 ------------------------------------------------------------
+    want_state = cfg.return_state or cfg.save is not None
+    mine_out: dict[str, Any] = {
+        "rank": rank, "stages": mine, "losses": step_losses, "seconds": wall,
+        "peak_versions": {k: st.versions.peak for k, st in stages.items()},
+        "alive_versions": {k: st.versions.alive() for k, st in stages.items()},
+        "bytes_sent": comm.bytes_sent, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+    replica0 = [k for k in mine if schedule.stage_ranks[k][0] == rank]
+    if want_state:
+        state: dict[str, torch.Tensor] = {}
+        opt_state: dict[str, dict[str, Any]] = {}
+        stage_steps: dict[str, int] = {}
+        for k in replica0:
+            st = stages[k]
+            for n, t in st.versions.latest.items():
+                state[n] = t.detach().to("cpu", copy=True)
+            for n, b in st.stage.module.named_buffers():
+                state[n] = b.detach().to("cpu", copy=True)
+            sd = st.optimizer.state_dict()
+            opt_state.update(sd["state"])
+            for n in st.stage.param_names:
+                stage_steps[n] = sd["steps"]
+        state.update({k: v for k, v in extras.items() if k not in state})
+        mine_out.update(state=state, optimizer_state=opt_state, stage_steps=stage_steps)
+    if cfg.trace is not None:
+        mine_out["events"] = [(e.action.long, str(e.action), e.action.op.value, e.action.stage, e.action.mb,
+                               e.action.version, e.action.peer, e.start, e.end) for e in executor.events]
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine_out, gathered if rank == 0 else None, dst=0)
+    if cfg.trace is not None:
+        _write_trace(cfg.trace, rank, mine_out.get("events", []), schedule, gathered if rank == 0 else None)
+    if rank != 0:
+        return {"rank": rank}
+    # -- rank 0: the summary ---------------------------------------------------------
+    merged: dict[int, list[float]] = {}
+    for g in gathered:
+        for step, ls in g["losses"].items():
+            merged.setdefault(step, []).extend(ls)
+    timed = list(range(end_step - cfg.steps, end_step))
+    losses = [sum(merged[t]) / len(merged[t]) for t in timed if t in merged]
+    warm = [sum(merged[t]) / len(merged[t]) for t in range(start_step, end_step - cfg.steps) if t in merged]
+    seconds = max(g["seconds"] for g in gathered)
+    result: dict[str, Any] = {
+        "steps": cfg.steps, "samples_per_second": batch_size * cfg.steps / seconds if seconds > 0 else 0.0,
+        "final_loss": losses[-1] if losses else None, "losses": losses, "config": plan.config,
+        "schedule": cfg.schedule, "workers": world, "batch_size": batch_size, "microbatches": m,
+        "seconds": seconds, "warmup_steps": cfg.warmup_steps, "warmup_losses": warm, "start_step": start_step,
+        "plan_source": plan_note, "stages": plan.num_stages, "device": str(device),
+        "peak_rss_mib": [g["peak_rss_mib"] for g in gathered],
+        "peak_versions": {str(k): v for g in gathered for k, v in g["peak_versions"].items()},
+        "bytes_sent": [g["bytes_sent"] for g in gathered],
+        "stage_nodes": [len(s.nodes) for s in plan.stages],
+    }
+    if want_state:
+        full: dict[str, torch.Tensor] = {}
+        opt_state = {}
+        stage_steps = {}
+        for g in gathered:
+            full.update(g.get("state", {}))
+            opt_state.update(g.get("optimizer_state", {}))
+            stage_steps.update(g.get("stage_steps", {}))
+        missing = [k for k in original_keys if k not in full]
+        if missing:
+            raise RuntimeError(f"checkpoint assembly lacks {len(missing)} tensors (first {missing[0]!r})")
+        ordered = {k: full[k] for k in original_keys}
+        if cfg.save is not None:
+            save_checkpoint(cfg.save, ordered, TrainerState(
+                end_step, cfg.model, dict(cfg.model_options), cfg.to_dict()["optimizer"], opt_state, stage_steps))
+            result["saved"] = cfg.save
+        if cfg.return_state:
+            result["state"] = ordered
+            result["alive_versions"] = {str(k): v for g in gathered for k, v in g["alive_versions"].items()}
+    return result
+
+
+def _with_workers(cfg: TrainConfig, world: int) -> TrainConfig:
+    from dataclasses import replace
+
+    return cfg if cfg.workers == world else replace(cfg, workers=world)
+
+
+def _buffer_names(captured: Any, part: Any) -> set[str]:
+    """Qualified names of the buffers any stage reads (module buffers and get_attr targets)."""
+    gm = captured.gm
+    names: set[str] = set()
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            names.update(qn for qn, _ in gm.get_submodule(str(n.target)).named_buffers(prefix=str(n.target)))
+        elif n.op == "get_attr":
+            names.add(str(n.target))
+    return names
+
+
+def _resume(cfg: TrainConfig, stages: dict[int, StageRuntime], device: torch.device) -> int:
+    state, trainer = load_checkpoint(cfg.resume)  # type: ignore[arg-type]
+    if trainer.model != cfg.model or trainer.model_options != dict(cfg.model_options):
+        raise RuntimeConfigError(
+            f"checkpoint {cfg.resume} is for model {trainer.model} {trainer.model_options}, not {cfg.model} "
+            f"{dict(cfg.model_options)}; resume with the same --model and --option values")
+    if trainer.optimizer.get("name") != cfg.optimizer.name:
+        raise RuntimeConfigError(
+            f"checkpoint {cfg.resume} was trained with {trainer.optimizer.get('name')}, not {cfg.optimizer.name}; "
+            f"resume with --optimizer {trainer.optimizer.get('name')}")
+    for st in stages.values():
+        missing = [n for n in st.stage.param_names if n not in state]
+        if missing:
+            raise RuntimeConfigError(f"checkpoint {cfg.resume} lacks parameter {missing[0]!r} of this model")
+        st.versions.load({n: state[n] for n in st.stage.param_names})
+        with torch.no_grad():
+            for n, b in st.stage.module.named_buffers():
+                if n in state:
+                    b.copy_(state[n].to(b.device))
+        steps = max([trainer.stage_steps.get(n, 0) for n in st.stage.param_names] + [0])
+        st.optimizer.load_state_dict({"steps": steps, "state": {n: trainer.optimizer_state[n]
+                                                                for n in st.stage.param_names
+                                                                if n in trainer.optimizer_state}}, device)
+    return trainer.step
+
+
+def _write_trace(directory: str, rank: int, events: list[tuple], schedule: Schedule,
+                 gathered: list[Any] | None) -> None:
+    from ..simulate.trace import save_trace, trace_event, trace_process_name, trace_thread_name
+
+    def to_events(r: int, evs: list[tuple]) -> list[dict[str, Any]]:
+        stages = "/".join(str(k) for k in schedule.stages_of_rank(r))
+        out = [trace_process_name(r, f"rank {r} (stage {stages})"), trace_thread_name(r, 0, "compute"),
+               trace_thread_name(r, 1, "comm")]
+        for long, short, op, stage, unit, version, peer, start, end in evs:
+            args: dict[str, Any] = {"stage": stage, "unit": unit, "op": op}
+            if version is not None:
+                args["version"] = version
+            if peer is not None:
+                args["peer"] = peer
+            comm = op in ("SEND_F", "SEND_B", "RECV_F", "RECV_B", "ALLREDUCE")
+            out.append(trace_event(r, short, start, end, "comm" if comm else "compute", args,
+                                   tid=1 if comm and op != "ALLREDUCE" else 0))
+        return out
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    save_trace({"traceEvents": to_events(rank, events), "displayTimeUnit": "ms"}, d / f"rank{rank}.json")
+    if gathered is not None:
+        merged: list[dict[str, Any]] = []
+        for g in gathered:
+            merged.extend(to_events(g["rank"], g.get("events", [])))
+        save_trace({"traceEvents": merged, "displayTimeUnit": "ms",
+                    "otherData": {"schedule": schedule.name, "measured": True}}, d / "trace.json")
