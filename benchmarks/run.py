@@ -227,7 +227,7 @@ def print_table(report: dict[str, Any]) -> None:
             print(f"  {name:<26}{fmt(c['samples_per_second_median']):>11}{rng:>17}"
                   f"{fmt(c['ratio_vs_single'], '.2f'):>11}{rss:>18}{sim:>12}  {why}")
         print("  mem: peak RSS of each worker's training phase above its RSS after `import torch`"
-              " (* = absolute peaks of every process the launch started, sampled); sim: pipetrain.simulate's model-state peak")
+              " (* = absolute, whole-life peaks reported by\n       pipetrain, or sampled from its processes); sim: pipetrain.simulate's model-state peak for the harness's cut")
         print("  ratios (median of per-round ratios):")
         for key in ("ceiling_vs_single", "ddp_vs_single", "torch_best_vs_single",
                     "pipetrain_pipedream_vs_single", "pipetrain_pipedream_vs_ceiling",
