@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/pipetrain train --model mlp --workers 2 --schedule pipedream --steps 30 --batch-size 32
+	$(BIN)/pipetrain train --model mlp --workers 2 --config 1-1 --schedule pipedream --steps 60 --batch-size 32 --lr 0.01 --momentum 0.9 --option num_classes=10 --log-every 10
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q tests

@@ -110,9 +110,28 @@ def mse_loss(output: Tensor, target: Tensor) -> Tensor:
 # Synthetic batch generators.
 
 
+# The synthetic tasks are learnable, so that a demo's loss falls: each draws the target
+# uniformly, then makes the input depend on it through a fixed random code (the same in
+# every process: it comes from its own generator with a constant seed, never from the
+# caller's generator, whose stream stays one draw per tensor).
+_CODE_SEED = 20180603  # PipeDream's arXiv date; any constant works
+
+
+def _code(rows: int, cols: int) -> Tensor:
+    return torch.randn((rows, cols), generator=torch.Generator().manual_seed(_CODE_SEED))
+
+
+def _successor(vocab: int) -> Tensor:
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(_CODE_SEED))
+
+
 @dataclass(frozen=True)
 class ClassificationBatches:
-    """Inputs ``randn(B, *input_shape)``, targets uniform class ids in ``[0, num_classes)``."""
+    """Inputs ``randn(B, *input_shape)`` plus a class signal, targets uniform in ``[0, num_classes)``.
+
+    The signal: the first ``k = min(64, numel)`` input values get ``2 * code[y]`` added, with
+    ``code`` a fixed random ``num_classes x k`` matrix, so the class is recoverable.
+    """
 
     input_shape: tuple[int, ...]
     num_classes: int
@@ -121,25 +140,41 @@ class ClassificationBatches:
         check_batch_size(batch_size)
         x = torch.randn((batch_size, *self.input_shape), generator=generator, device="cpu")
         y = torch.randint(0, self.num_classes, (batch_size,), generator=generator, device="cpu")
+        flat = x.view(batch_size, -1)
+        k = min(64, flat.shape[1])
+        flat[:, :k] += 2.0 * _code(self.num_classes, k)[y]
         return (x,), y
 
 
 @dataclass(frozen=True)
 class LanguageModelBatches:
-    """Next-token prediction: ``seq_len + 1`` uniform tokens, inputs ``[:-1]``, target ``[1:]``."""
+    """Next-token prediction on a learnable stream: inputs ``[:-1]``, target ``[1:]``.
+
+    Token ``i+1`` is ``succ[token i]`` (a fixed random permutation of the vocabulary) with
+    probability 3/4, otherwise uniform.
+    """
 
     vocab: int
     seq_len: int
 
     def __call__(self, batch_size: int, generator: torch.Generator) -> Batch:
         check_batch_size(batch_size)
-        tokens = torch.randint(0, self.vocab, (batch_size, self.seq_len + 1), generator=generator, device="cpu")
+        noise = torch.randint(0, self.vocab, (batch_size, self.seq_len + 1), generator=generator, device="cpu")
+        keep = torch.rand((batch_size, self.seq_len + 1), generator=generator, device="cpu") < 0.75
+        succ = _successor(self.vocab)
+        tokens = noise.clone()
+        for i in range(1, self.seq_len + 1):
+            tokens[:, i] = torch.where(keep[:, i], succ[tokens[:, i - 1]], noise[:, i])
         return (tokens[:, :-1].contiguous(),), tokens[:, 1:].contiguous()
 
 
 @dataclass(frozen=True)
 class TranslationBatches:
-    """Sequence to sequence with teacher forcing: inputs ``(src, tgt[:-1])``, target ``tgt[1:]``."""
+    """Sequence to sequence with teacher forcing: inputs ``(src, tgt[:-1])``, target ``tgt[1:]``.
+
+    The translation is learnable: ``tgt[j] = succ[src[j mod src_len]]`` for a fixed random
+    permutation ``succ``, after a first token drawn uniformly.
+    """
 
     vocab: int
     src_len: int
@@ -148,7 +183,9 @@ class TranslationBatches:
     def __call__(self, batch_size: int, generator: torch.Generator) -> Batch:
         check_batch_size(batch_size)
         src = torch.randint(0, self.vocab, (batch_size, self.src_len), generator=generator, device="cpu")
-        tgt = torch.randint(0, self.vocab, (batch_size, self.tgt_len + 1), generator=generator, device="cpu")
+        first = torch.randint(0, self.vocab, (batch_size, 1), generator=generator, device="cpu")
+        idx = torch.arange(self.tgt_len) % self.src_len
+        tgt = torch.cat([first, _successor(self.vocab)[src[:, idx]]], dim=1)
         return (src, tgt[:, :-1].contiguous()), tgt[:, 1:].contiguous()
 
 

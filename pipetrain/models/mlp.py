@@ -45,6 +45,12 @@ def _build(o: dict[str, Any]) -> nn.Sequential:
         layers += [nn.Linear(in_features if i == 0 else o["width"], o["width"]), nn.ReLU()]
     if o["num_classes"] is not None:
         layers.append(nn.Linear(o["width"], o["num_classes"]))
+    # He initialisation (fan-in, ReLU gain): PyTorch's default Linear init shrinks the signal
+    # by about sqrt(3) a layer, so a 16-deep MLP would not train from it.
+    for layer in layers:
+        if isinstance(layer, nn.Linear):
+            nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+            nn.init.zeros_(layer.bias)
     return nn.Sequential(*layers)
 
 
