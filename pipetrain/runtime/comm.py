@@ -302,8 +302,3 @@ class Comm:
         if self._posted:
             keys = sorted(self._posted)[:4]
             raise RuntimeError(f"rank {self.rank}: receives posted but never consumed: {keys}")
-
-    def reset(self) -> None:
-        """Forget posted-but-unused state between segments (there should be none)."""
-        self._posted.clear()
-        self._local.clear()

@@ -24,7 +24,6 @@ different versions, clip each stage by its own norm.
 from __future__ import annotations
 
 import math
-import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence, TextIO
@@ -244,12 +243,19 @@ class Executor:
         post = 0
         n = len(actions)
         recv_ops = (Op.RECV_F, Op.RECV_B)
+        send_ops = (Op.SEND_F, Op.SEND_B)
+        nccl = self.comm.nccl
         record = self.record
         for i, a in enumerate(actions):
             limit = min(n, i + 1 + self.lookahead)
             while post < limit:
-                if actions[post].op in recv_ops:
-                    self.comm.post(actions[post])
+                nxt = actions[post]
+                if nxt.op in recv_ops:
+                    self.comm.post(nxt)
+                elif nccl and post > i and nxt.op in send_ops:
+                    # NCCL runs a peer pair's transfers in issue order on one stream: a
+                    # receive posted before one of our sends could block that send.
+                    break
                 post += 1
             self._pos = i
             t = time.perf_counter()

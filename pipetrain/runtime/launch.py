@@ -92,7 +92,8 @@ def launch_local(cfgs: Sequence[TrainConfig], workers: int, timeout: float = 120
     from .worker import worker_main
 
     port = free_port()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    saved_omp = os.environ.get("OMP_NUM_THREADS")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's default (torch threads are set per worker)
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, rdzv_backend="c10d",
                       rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, run_id=f"pipetrain-{uuid.uuid4().hex[:8]}",
                       monitor_interval=0.05, start_method="spawn", rdzv_timeout=int(max(30, timeout)))
@@ -105,11 +106,14 @@ def launch_local(cfgs: Sequence[TrainConfig], workers: int, timeout: float = 120
         roots = [r for r, t in texts.items() if STOPPED_MARK not in t and not t.startswith("Signal")]
         rank = roots[0] if roots else fails[0][0]
         text = texts[rank]
-        user = any(text.startswith(n) for n in ("RuntimeConfigError", "ModelError", "PlanError", "ScheduleError",
-                                                 "CaptureError", "ProfileError", "PipetrainError"))
+        user_errors = {c.__name__ for c in PipetrainError.__subclasses__()} | {"PipetrainError"}
+        user = text.split(":", 1)[0] in user_errors
         if user:
             text = text.split(": ", 1)[-1]
         raise WorkerFailure(rank, text, user_error=user) from None
+    finally:
+        if saved_omp is None:
+            os.environ.pop("OMP_NUM_THREADS", None)
     return list(out[0])
 
 

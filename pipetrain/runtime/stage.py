@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.fx
-from torch import nn
 
 from ..errors import RuntimeConfigError
 from ..graph.capture import CapturedModel, is_inplace_node, preserved_state

@@ -17,11 +17,11 @@ whose transfer then breaks reports that rank as the cause ("rank 0 stopped: rank
 """
 from __future__ import annotations
 
-import json
 import os
 import resource
 import sys
 import time
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 
 from ..errors import PipetrainError, RuntimeConfigError
-from ..schedule.action import Op, Schedule
+from ..plan.types import Plan
+from ..schedule.action import Schedule
 from .checkpoint import TrainerState, load_checkpoint, save_checkpoint
 from .comm import Comm
 from .config import TrainConfig, parse_debug_fail
@@ -147,18 +148,42 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         if other is not None:
             raise RuntimeError(f"rank {rank} {STOPPED_MARK} {other}") from e
         _record_failure(rank, e)
-        if not isinstance(e, PipetrainError) and dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.is_initialized() and dist.get_world_size() > 1:
             # Close our connections so that ranks waiting on us fail now (naming us, from the
-            # store) instead of at their timeout; give them a moment to report first.
+            # store) instead of at their timeout; give them a moment to report first (a
+            # configuration error is usually raised by every rank alike: no need to wait).
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001
                 pass
-            time.sleep(1.0)
+            if not isinstance(e, PipetrainError):
+                time.sleep(1.0)
         raise
 
 
 # --------------------------------------------------------------------------- the run
+
+
+@dataclass
+class _Setup:
+    """What a worker builds before training (identical decisions on every rank)."""
+
+    batch_size: int
+    microbatches: int
+    bundle: Any
+    plan: Plan
+    plan_note: str
+    segments: list[tuple[str, int]]      # ("warmup" | "timed", steps)
+    schedules: list[Schedule]            # one per segment
+    stages: dict[int, StageRuntime]      # this rank's stages
+    codecs: list[Any]
+    original_keys: list[str]             # the model's state_dict keys, in order
+    extras: dict[str, torch.Tensor]      # rank 0: state no stage holds
+    start_step: int = 0
+
+    @property
+    def schedule(self) -> Schedule:
+        return self.schedules[-1]
 
 
 def _run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
@@ -166,67 +191,87 @@ def _run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[
         torch.set_num_threads(cfg.threads)
     if cfg.tune_malloc:
         tune_malloc()
+    setup = _setup(cfg, rank, world, device)
+    executor, step_losses, wall, end_step = _train(cfg, setup, rank, device)
+    mine = _report(cfg, setup, rank, executor, step_losses, wall)
+    gathered: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
+    if cfg.trace is not None:
+        _write_trace(cfg.trace, rank, mine.get("events", []), setup.schedule, gathered if rank == 0 else None)
+    if rank != 0:
+        return {"rank": rank}
+    return _summary(cfg, setup, gathered, world, device, end_step)
+
+
+def _setup(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> _Setup:
+    """Model, capture, plan, schedules, this rank's stage modules, optimizers and resume."""
+    from ..graph.capture import capture
+
     if cfg.workers is not None and cfg.workers != world:
         raise RuntimeConfigError(
             f"--workers {cfg.workers} but the process group has {world} ranks; pass --workers {world} or start "
             f"{cfg.workers} processes")
     check_workers(cfg, world)
     batch_size = resolve_batch_size(cfg)
-    cfg_w = _with_workers(cfg, world)
+    cfg_w = cfg if cfg.workers == world else replace(cfg, workers=world)
     m = cfg_w.resolved_microbatches()
     cfg_w.check_counts(batch_size)
-    unit = batch_size // m
-    bundle = load_bundle(cfg, unit)
-    from ..graph.capture import capture
-
+    bundle = load_bundle(cfg, batch_size // m)
     original_keys = list(bundle.model.state_dict().keys())
     captured = capture(bundle.model, bundle.example_inputs)
     plan, plan_note = resolve_plan(cfg_w, captured, bundle, batch_size, world)
-    segments: list[tuple[str, int]] = []
-    if cfg.warmup_steps:
-        segments.append(("warmup", cfg.warmup_steps))
-    segments.append(("timed", cfg.steps))
+    segments = ([("warmup", cfg.warmup_steps)] if cfg.warmup_steps else []) + [("timed", cfg.steps)]
     schedules = [build_run_schedule(cfg_w, plan, m, n) for _, n in segments]
-    schedule = schedules[-1]
-    if schedule.num_workers != world:
+    if schedules[-1].num_workers != world:
         raise RuntimeConfigError(
-            f"the {cfg.schedule} schedule for plan {plan.config} uses {schedule.num_workers} workers but the run has "
-            f"{world}; pass --workers {schedule.num_workers}")
+            f"the {cfg.schedule} schedule for plan {plan.config} uses {schedules[-1].num_workers} workers but the run "
+            f"has {world}; pass --workers {schedules[-1].num_workers}")
     part = partition_graph(captured.gm, stage_nodes_of_plan(plan))
     codecs = boundary_codecs(captured.gm, part, bundle.example_inputs)
-    mine = schedule.stages_of_rank(rank)
+    mine = schedules[-1].stages_of_rank(rank)
     modules = build_stage_modules(captured, part, codecs, mine)
-    # State no stage holds (parameters no node reads): kept by rank 0 for checkpoints.
     extras: dict[str, torch.Tensor] = {}
-    if rank == 0:
-        stage_names = set(part.param_stage) | _buffer_names(captured, part)
-        extras = {k: v.detach().clone() for k, v in bundle.model.state_dict().items() if k not in stage_names}
-    stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedule.stage_ranks[k]), device)
-              for k in mine}
-    del bundle.model, captured  # the stage modules hold what this rank needs
-    start_step = 0
+    if rank == 0:  # parameters no node reads: no stage holds them, checkpoints need them
+        held = set(part.param_stage) | _buffer_names(captured)
+        extras = {k: v.detach().clone() for k, v in bundle.model.state_dict().items() if k not in held}
+    stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedules[-1].stage_ranks[k]),
+                              device) for k in mine}
+    del bundle.model, captured  # the stage modules now hold what this rank needs
+    setup = _Setup(batch_size, m, bundle, plan, plan_note, segments, schedules, stages, list(codecs),
+                   original_keys, extras)
     if cfg.resume:
-        start_step = _resume(cfg, stages, device)
-    comm = Comm(rank, schedule, [c for c in codecs], device, cfg.timeout,
+        setup.start_step = _resume(cfg, stages, device)
+    return setup
+
+
+def _train(cfg: TrainConfig, setup: _Setup, rank: int,
+           device: torch.device) -> tuple[Executor, dict[int, list[float]], float, int]:
+    """Run the segments; returns the executor, losses per step, timed seconds and the end step."""
+    schedule = setup.schedule
+    mine = list(setup.stages)
+    comm = Comm(rank, schedule, setup.codecs, device, cfg.timeout,
                 global_clip=cfg.synchronous and cfg.clip_grad_norm is not None)
-    lr_totals = {k: stages[k].optimizer.steps + sum(stage_step_count(s, k) for s in schedules) for k in mine}
-    log_stream = sys.stderr if cfg.log_to_stderr else sys.stdout
-    is_logger = (schedule.num_stages - 1) in mine and rank == schedule.stage_ranks[-1][0] and not cfg.quiet
-    executor = Executor(rank, stages, comm, UnitData(bundle.make_batch, batch_size, m, cfg.seed, start_step, device),
-                        bundle.loss_fn, cfg.optimizer.lr, cfg.lr_schedule, clip=cfg.clip_grad_norm,
-                        global_clip=cfg.synchronous, lookahead=cfg.lookahead, record=cfg.trace is not None,
+    lr_totals = {k: setup.stages[k].optimizer.steps + sum(stage_step_count(s, k) for s in setup.schedules)
+                 for k in mine}
+    is_logger = schedule.num_stages - 1 in mine and rank == schedule.stage_ranks[-1][0] and not cfg.quiet
+    log = (sys.stderr if cfg.log_to_stderr else sys.stdout, cfg.log_every) if is_logger and cfg.log_every else None
+
+    def data(offset: int) -> UnitData:
+        return UnitData(setup.bundle.make_batch, setup.batch_size, setup.microbatches, cfg.seed, offset, device)
+
+    executor = Executor(rank, setup.stages, comm, data(setup.start_step), setup.bundle.loss_fn, cfg.optimizer.lr,
+                        cfg.lr_schedule, clip=cfg.clip_grad_norm, global_clip=cfg.synchronous,
+                        lookahead=cfg.lookahead, record=cfg.trace is not None,
                         fail_at=parse_debug_fail(cfg.debug_fail) if cfg.debug_fail else None,
-                        log=(log_stream, cfg.log_every) if is_logger and cfg.log_every else None, lr_totals=lr_totals)
+                        log=log, lr_totals=lr_totals)
     step_losses: dict[int, list[float]] = {}
-    offset = start_step
-    wall = 0.0
-    for (kind, n), sched in zip(segments, schedules):
-        executor.data = UnitData(bundle.make_batch, batch_size, m, cfg.seed, offset, device)
+    offset, wall = setup.start_step, 0.0
+    for (kind, n), sched in zip(setup.segments, setup.schedules):
+        executor.data = data(offset)
         dist.barrier()
         t0 = time.perf_counter()
         if kind == "timed":
-            executor.t0 = t0
-            executor.events = []
+            executor.t0, executor.events = t0, []
         executor.run(sched.workers[rank])
         comm.finish(cfg.timeout)
         if device.type == "cuda":
@@ -238,73 +283,78 @@ def _run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[
             step_losses.setdefault(executor.data.step_of(u), []).append(loss)
         executor.losses = {}
         offset += n
-    end_step = offset
-    # -- gather to rank 0 ------------------------------------------------------------
-    want_state = cfg.return_state or cfg.save is not None
-    mine_out: dict[str, Any] = {
-        "rank": rank, "stages": mine, "losses": step_losses, "seconds": wall,
+    return executor, step_losses, wall, offset
+
+
+def _report(cfg: TrainConfig, setup: _Setup, rank: int, executor: Executor, step_losses: dict[int, list[float]],
+            wall: float) -> dict[str, Any]:
+    """This rank's contribution to the summary (and to the checkpoint, from replica 0 of a stage)."""
+    stages = setup.stages
+    out: dict[str, Any] = {
+        "rank": rank, "stages": list(stages), "losses": step_losses, "seconds": wall,
         "peak_versions": {k: st.versions.peak for k, st in stages.items()},
         "alive_versions": {k: st.versions.alive() for k, st in stages.items()},
-        "bytes_sent": comm.bytes_sent, "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+        "bytes_sent": executor.comm.bytes_sent,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }
-    replica0 = [k for k in mine if schedule.stage_ranks[k][0] == rank]
-    if want_state:
+    if cfg.return_state or cfg.save is not None:
         state: dict[str, torch.Tensor] = {}
         opt_state: dict[str, dict[str, Any]] = {}
         stage_steps: dict[str, int] = {}
-        for k in replica0:
-            st = stages[k]
-            for n, t in st.versions.latest.items():
-                state[n] = t.detach().to("cpu", copy=True)
-            for n, b in st.stage.module.named_buffers():
-                state[n] = b.detach().to("cpu", copy=True)
+        for k, st in stages.items():
+            if setup.schedule.stage_ranks[k][0] != rank:
+                continue
+            state.update({n: t.detach().to("cpu", copy=True) for n, t in st.versions.latest.items()})
+            state.update({n: b.detach().to("cpu", copy=True) for n, b in st.stage.module.named_buffers()})
             sd = st.optimizer.state_dict()
             opt_state.update(sd["state"])
-            for n in st.stage.param_names:
-                stage_steps[n] = sd["steps"]
-        state.update({k: v for k, v in extras.items() if k not in state})
-        mine_out.update(state=state, optimizer_state=opt_state, stage_steps=stage_steps)
+            stage_steps.update({n: sd["steps"] for n in st.stage.param_names})
+        state.update({k: v for k, v in setup.extras.items() if k not in state})
+        out.update(state=state, optimizer_state=opt_state, stage_steps=stage_steps)
     if cfg.trace is not None:
-        mine_out["events"] = [(e.action.long, str(e.action), e.action.op.value, e.action.stage, e.action.mb,
-                               e.action.version, e.action.peer, e.start, e.end) for e in executor.events]
-    gathered: list[Any] = [None] * world if rank == 0 else []
-    dist.gather_object(mine_out, gathered if rank == 0 else None, dst=0)
-    if cfg.trace is not None:
-        _write_trace(cfg.trace, rank, mine_out.get("events", []), schedule, gathered if rank == 0 else None)
-    if rank != 0:
-        return {"rank": rank}
-    # -- rank 0: the summary ---------------------------------------------------------
+        out["events"] = [(str(e.action), e.action.op.value, e.action.stage, e.action.mb, e.action.version,
+                          e.action.peer, e.start, e.end) for e in executor.events]
+    return out
+
+
+def _summary(cfg: TrainConfig, setup: _Setup, gathered: list[dict[str, Any]], world: int, device: torch.device,
+             end_step: int) -> dict[str, Any]:
+    """Rank 0: the run's summary (``--json``), and the checkpoint."""
     merged: dict[int, list[float]] = {}
     for g in gathered:
         for step, ls in g["losses"].items():
             merged.setdefault(step, []).extend(ls)
-    timed = list(range(end_step - cfg.steps, end_step))
-    losses = [sum(merged[t]) / len(merged[t]) for t in timed if t in merged]
-    warm = [sum(merged[t]) / len(merged[t]) for t in range(start_step, end_step - cfg.steps) if t in merged]
+
+    def mean_losses(steps: range) -> list[float]:
+        return [sum(merged[t]) / len(merged[t]) for t in steps if t in merged]
+
+    losses = mean_losses(range(end_step - cfg.steps, end_step))
     seconds = max(g["seconds"] for g in gathered)
+    plan = setup.plan
     result: dict[str, Any] = {
-        "steps": cfg.steps, "samples_per_second": batch_size * cfg.steps / seconds if seconds > 0 else 0.0,
+        "steps": cfg.steps, "samples_per_second": setup.batch_size * cfg.steps / seconds if seconds > 0 else 0.0,
         "final_loss": losses[-1] if losses else None, "losses": losses, "config": plan.config,
-        "schedule": cfg.schedule, "workers": world, "batch_size": batch_size, "microbatches": m,
-        "seconds": seconds, "warmup_steps": cfg.warmup_steps, "warmup_losses": warm, "start_step": start_step,
-        "plan_source": plan_note, "stages": plan.num_stages, "device": str(device),
+        "schedule": cfg.schedule, "workers": world, "batch_size": setup.batch_size,
+        "microbatches": setup.microbatches, "seconds": seconds, "warmup_steps": cfg.warmup_steps,
+        "warmup_losses": mean_losses(range(setup.start_step, end_step - cfg.steps)), "start_step": setup.start_step,
+        "plan_source": setup.plan_note, "stages": plan.num_stages, "device": str(device),
         "peak_rss_mib": [g["peak_rss_mib"] for g in gathered],
         "peak_versions": {str(k): v for g in gathered for k, v in g["peak_versions"].items()},
         "bytes_sent": [g["bytes_sent"] for g in gathered],
         "stage_nodes": [len(s.nodes) for s in plan.stages],
     }
-    if want_state:
+    if cfg.return_state or cfg.save is not None:
         full: dict[str, torch.Tensor] = {}
-        opt_state = {}
-        stage_steps = {}
+        opt_state: dict[str, dict[str, Any]] = {}
+        stage_steps: dict[str, int] = {}
         for g in gathered:
             full.update(g.get("state", {}))
             opt_state.update(g.get("optimizer_state", {}))
             stage_steps.update(g.get("stage_steps", {}))
-        missing = [k for k in original_keys if k not in full]
+        missing = [k for k in setup.original_keys if k not in full]
         if missing:
             raise RuntimeError(f"checkpoint assembly lacks {len(missing)} tensors (first {missing[0]!r})")
-        ordered = {k: full[k] for k in original_keys}
+        ordered = {k: full[k] for k in setup.original_keys}
         if cfg.save is not None:
             save_checkpoint(cfg.save, ordered, TrainerState(
                 end_step, cfg.model, dict(cfg.model_options), cfg.to_dict()["optimizer"], opt_state, stage_steps))
@@ -315,13 +365,7 @@ def _run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[
     return result
 
 
-def _with_workers(cfg: TrainConfig, world: int) -> TrainConfig:
-    from dataclasses import replace
-
-    return cfg if cfg.workers == world else replace(cfg, workers=world)
-
-
-def _buffer_names(captured: Any, part: Any) -> set[str]:
+def _buffer_names(captured: Any) -> set[str]:
     """Qualified names of the buffers any stage reads (module buffers and get_attr targets)."""
     gm = captured.gm
     names: set[str] = set()
@@ -367,7 +411,7 @@ def _write_trace(directory: str, rank: int, events: list[tuple], schedule: Sched
         stages = "/".join(str(k) for k in schedule.stages_of_rank(r))
         out = [trace_process_name(r, f"rank {r} (stage {stages})"), trace_thread_name(r, 0, "compute"),
                trace_thread_name(r, 1, "comm")]
-        for long, short, op, stage, unit, version, peer, start, end in evs:
+        for short, op, stage, unit, version, peer, start, end in evs:
             args: dict[str, Any] = {"stage": stage, "unit": unit, "op": op}
             if version is not None:
                 args["version"] = version
