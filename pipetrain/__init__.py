@@ -1,15 +1,52 @@
 """pipetrain: pipeline-parallel DNN training (PipeDream, 2BW, Flush, GPipe, interleaved).
 
-The data flow is model -> graph -> profile -> plan -> schedule -> simulate | run.
+The data flow is model -> graph -> profile -> plan -> schedule -> simulate | run::
+
+    import pipetrain as pt
+
+    bundle = pt.get_model("mlp", batch_size=64)                  # model zoo, or your own module
+    captured = pt.capture(bundle.model, bundle.example_inputs)   # LayerGraph + fx GraphModule
+    prof = pt.profile_model(bundle)                              # per-layer costs
+    p = pt.plan(prof, pt.parse_topology("4", "10Gbit"))          # stages and replicas
+    sched = pt.build_schedule("pipedream", p.replicas, steps=8)  # per-worker action lists
+    result = pt.simulate(sched, pt.StageCosts.from_plan(p, prof))
+    pt.train(pt.TrainConfig(model="mlp", workers=2, schedule="pipedream", steps=20))
+
+Errors caused by user input are :class:`PipetrainError` (a ``ValueError``) with one line
+that states the rule, the values and the fix.
 """
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .errors import (  # noqa: F401
+from .errors import (
     CaptureError, ModelError, PipetrainError, PlanError, ProfileError, RuntimeConfigError, ScheduleError,
 )
-from .graph.types import LayerGraph, LayerNode, TensorMeta  # noqa: F401
-from .plan.types import Level, Plan, Stage, Topology  # noqa: F401
-from .profile.types import NodeProfile, Profile  # noqa: F401
-from .schedule.action import Action, Op, Schedule  # noqa: F401
+from .graph import CapturedModel, LayerGraph, LayerNode, TensorMeta, capture, run_node_by_node
+from .models import MODEL_NAMES, ModelBundle, get_model, load_model
+from .plan import (
+    Level, Plan, PlanOptions, Stage, Topology, baselines, data_parallel_time, evaluate, parse_topology, plan,
+    stage_memory,
+)
+from .profile import NodeProfile, Profile, format_profile_table, load_profile, profile_model, save_profile
+from .runtime import TrainConfig, WorkerFailure, replay_schedule, train, train_single_process
+from .schedule import SCHEDULE_NAMES, Action, Op, Schedule, build_schedule, validate
+from .simulate import SimResult, StageCost, StageCosts, save_gantt, simulate, to_chrome_trace
+
+__all__ = [
+    "__version__",
+    # errors
+    "PipetrainError", "ModelError", "CaptureError", "ProfileError", "PlanError", "ScheduleError",
+    "RuntimeConfigError",
+    # model -> graph -> profile
+    "MODEL_NAMES", "ModelBundle", "get_model", "load_model",
+    "CapturedModel", "LayerGraph", "LayerNode", "TensorMeta", "capture", "run_node_by_node",
+    "NodeProfile", "Profile", "profile_model", "load_profile", "save_profile", "format_profile_table",
+    # plan
+    "Level", "Topology", "Stage", "Plan", "PlanOptions", "parse_topology", "plan", "evaluate",
+    "data_parallel_time", "baselines", "stage_memory",
+    # schedule -> simulate | run
+    "Action", "Op", "Schedule", "SCHEDULE_NAMES", "build_schedule", "validate",
+    "StageCost", "StageCosts", "SimResult", "simulate", "to_chrome_trace", "save_gantt",
+    "TrainConfig", "WorkerFailure", "train", "train_single_process", "replay_schedule",
+]
