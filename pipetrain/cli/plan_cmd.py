@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 from typing import Any
 
@@ -92,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
     result.batch_size = profile.batch_size
     base = baselines(profile, topology, args.cost_model) if args.compare else {}
     if args.output:
+        # `pipetrain simulate PLAN` finds the profile through this path, relative to the plan file.
+        result.extra["profile_path"] = os.path.relpath(os.path.abspath(args.profile),
+                                                       os.path.dirname(os.path.abspath(args.output)))
         result.save(args.output)
     t = result.predicted_time or math.inf
     throughput = {"minibatches_per_second": 1.0 / t if t > 0 else math.inf,
