@@ -22,11 +22,12 @@ from ..errors import PlanError
 from ..plan import PlanOptions, baselines, parse_topology, plan
 from ..plan.cost import COST_MODELS, DEFAULT_COST_MODEL
 from ..plan.memory import SCHEDULES
-from ..plan.types import Plan
+from ..plan.types import Plan, Topology
 from ..profile.io import load_profile
 
 
 def register(subparsers: Any) -> None:
+    """Add the ``plan`` subcommand."""
     p = subparsers.add_parser(
         "plan", help="partition a profiled model into pipeline stages (PipeDream's optimizer)",
         description="Find the stages and replica counts that minimise the time per minibatch. "
@@ -51,7 +52,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def _topology(args: argparse.Namespace):
+def _topology(args: argparse.Namespace) -> Topology:
     bandwidth = args.bandwidth
     if bandwidth is None:
         levels = [w for w in str(args.workers).replace("x", ",").split(",") if w.strip()]
@@ -81,6 +82,7 @@ def _summary(p: Plan) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Plan ``PROFILE`` on the given topology, print the plan (table or JSON), optionally save it."""
     profile = load_profile(args.profile)
     if args.batch_size is not None:
         if args.batch_size <= 0:

@@ -7,6 +7,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any
 
 from ..errors import PipetrainError
@@ -36,6 +38,18 @@ def parse_option(item: str) -> tuple[str, Any]:
         if parts and all(isinstance(p, (int, float)) and not isinstance(p, bool) for p in parts):
             return key.replace("-", "_"), tuple(parts)
     return key.replace("-", "_"), parse_scalar(value)
+
+
+def check_writable(path: str) -> None:
+    """Raise a one-line error unless a file can be written at ``path`` (checked without creating it)."""
+    target = Path(path)
+    parent = target.parent if str(target.parent) else Path(".")
+    if target.is_dir():
+        raise PipetrainError(f"--output {path!r} is a directory; give a file name such as {str(target / 'profile.json')!r}")
+    if not parent.is_dir():
+        raise PipetrainError(f"--output {path!r}: directory {str(parent)!r} does not exist; create it first or choose another path")
+    if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+        raise PipetrainError(f"--output {path!r} is not writable; choose a path you can write")
 
 
 def register(subparsers: Any) -> None:
@@ -84,8 +98,14 @@ def run(args: argparse.Namespace) -> int:
     from ..models import load_model
     from ..profile.profiler import optimizer_state_factor, resolve_device
 
+    for flag, value, low in (("--batch-size", args.batch_size, 1), ("--repeats", args.repeats, 1),
+                             ("--warmup", args.warmup, 0), ("--threads", args.threads, 1)):
+        if value is not None and value < low:
+            raise PipetrainError(f"{flag} must be an integer >= {low}, got {value}; pass e.g. {flag} {max(low, 2)}")
     resolve_device(args.device)  # fail before building the model
     optimizer_state_factor(args.optimizer, args.momentum)
+    if args.output:
+        check_writable(args.output)  # fail before a long profiling run, not after
     options = dict(parse_option(o) for o in args.option)
     bundle = load_model(args.model, batch_size=args.batch_size, **options)
     profile = profile_model(

@@ -27,6 +27,7 @@ from ..errors import PipetrainError, ProfileError, ScheduleError
 
 
 def register(subparsers: Any) -> None:
+    """Add the ``simulate`` subcommand."""
     p = subparsers.add_parser(
         "simulate",
         help="simulate a pipeline schedule (from a plan and profile, or with synthetic stage times)",
@@ -56,6 +57,26 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print the figures as one JSON object")
     p.add_argument("--print-schedule", action="store_true", help="print the per-worker action grid")
     p.set_defaults(func=run)
+
+
+#: Most (stage, unit) pairs the CLI simulates: about 110 us and 5 KB each on a laptop core, so
+#: this bounds a run to roughly a minute and a few GB. Steady-state figures need far fewer.
+MAX_STAGE_UNITS = 500_000
+
+
+def _check_size(num_stages: int, units: int, flags: str) -> None:
+    """Refuse simulations so large they would run for many minutes (or exhaust memory)."""
+    if num_stages * units > MAX_STAGE_UNITS:
+        raise ScheduleError(
+            f"{flags} asks for {units:,} units through {num_stages} stages ({num_stages * units:,} stage-units); "
+            f"the simulator takes at most {MAX_STAGE_UNITS:,} (about a minute); steady-state figures need only "
+            f"a few dozen minibatches, so lower {' or '.join(w for w in flags.split() if w.startswith('--'))}"
+        )
+
+
+def _check_seconds(value: float, flag: str) -> None:
+    if not 0 <= value < float("inf"):
+        raise ScheduleError(f"{flag} must be a finite number of seconds >= 0, got {value!r}; pass e.g. {flag} 0.001")
 
 
 def _parse_replicas(text: str) -> list[int]:
@@ -101,12 +122,16 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.virtual_stages is not None and name != "interleaved":
         raise ScheduleError(f"--virtual-stages applies to interleaved only, not {name!r}; drop it")
     v = args.virtual_stages if args.virtual_stages is not None else 2
+    if v < 1:
+        raise ScheduleError(f"--virtual-stages must be >= 1 (got {v}); model chunks per rank, e.g. --virtual-stages 2")
     if name == "interleaved":
         options["virtual_stages"] = v
     if args.microbatches is not None and args.microbatches < 1:
         raise ScheduleError(f"--microbatches must be >= 1 (got {args.microbatches})")
     if args.minibatches is not None and args.minibatches < 1:
         raise ScheduleError(f"--minibatches must be >= 1 (got {args.minibatches})")
+    _check_seconds(args.step_time, "--step-time")
+    _check_seconds(args.latency, "--latency")
 
     if args.plan:
         from ..plan.types import Plan
@@ -129,6 +154,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
         else:
             m = args.microbatches if args.microbatches is not None else max(plan.num_stages, max(replicas))
             steps, units = args.minibatches, m
+        _check_size(len(replicas), m * steps, f"--minibatches {steps}" + (f" x --microbatches {m}" if m > 1 else ""))
         schedule = build_schedule(name, replicas, m, steps, **options)
         costs = StageCosts.from_plan(plan, profile, units=units, step_time=args.step_time, latency=args.latency)
         return schedule, costs
@@ -146,8 +172,8 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     P = args.stages
     if P < 1:
         raise ScheduleError(f"--stages must be >= 1 (got {P})")
-    if args.forward_time < 0 or args.backward_time < 0:
-        raise ScheduleError("--forward-time and --backward-time must be >= 0 seconds")
+    _check_seconds(args.forward_time, "--forward-time")
+    _check_seconds(args.backward_time, "--backward-time")
     replicas = _parse_replicas(args.replicas) if args.replicas else ([1] * P if name != "dp" else [P])
     if name == "interleaved":
         if args.replicas and any(r != 1 for r in replicas):
@@ -158,6 +184,9 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
             raise ScheduleError(f"dp runs one stage: give --replicas N (one number), got {args.replicas}")
     elif len(replicas) != P:
         raise ScheduleError(f"--replicas lists {len(replicas)} stages but --stages is {P}; give one count per stage")
+    units = args.microbatches * (1 if name == "pipedream" else args.minibatches or 1)
+    _check_size(len(replicas), units, f"--microbatches {args.microbatches}"
+                + ("" if name == "pipedream" else f" x --minibatches {args.minibatches or 1}"))
     if name == "pipedream":
         schedule = build_schedule(name, replicas, 1, args.microbatches, **options)
     else:
@@ -168,6 +197,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Build, validate and simulate the schedule the arguments describe; returns the exit code."""
     from ..schedule import validate
     from ..simulate import save_gantt, save_trace, simulate, to_chrome_trace
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
+import sys
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
@@ -30,12 +33,29 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
+def _import_module(module_name: str) -> ModuleType:
+    """Import ``module_name``; if its top-level package is not found, look in the current
+    directory too (as ``python -m`` would): the ``pipetrain`` console script does not put
+    the working directory on ``sys.path``, yet ``--model mymodel:make`` in a project
+    directory is the common case. The directory is appended, so it never shadows packages."""
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        top = module_name.split(".")[0]
+        cwd = os.getcwd()
+        if exc.name != top or cwd in sys.path or "" in sys.path or not (
+                os.path.isfile(os.path.join(cwd, top + ".py")) or os.path.isdir(os.path.join(cwd, top))):
+            raise
+        sys.path.append(cwd)
+        return importlib.import_module(module_name)
+
+
 def _import_factory(spec: str) -> Callable[..., Any]:
     module_name, _, func_name = spec.partition(":")
     if not module_name or not func_name or ":" in func_name:
         raise ModelError(f"model spec {spec!r} must be {SPEC_FORMAT}, e.g. 'mypkg.models:make_model'")
     try:
-        module = importlib.import_module(module_name)
+        module = _import_module(module_name)
     except Exception as exc:  # ImportError, or any error raised while the module runs
         raise ModelError(
             f"cannot import module {module_name!r} of model spec {spec!r} ({_first_line(exc)}); "

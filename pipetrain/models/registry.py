@@ -82,7 +82,18 @@ def get_model(name: str, batch_size: int | None = None, **options: Any) -> Model
     module = _zoo_module(name)
     if batch_size is not None:
         check_batch_size(batch_size)
-    bundle: ModelBundle = module.build(batch_size, **options)
+    try:
+        bundle: ModelBundle = module.build(batch_size, **options)
+    except (MemoryError, RuntimeError) as exc:
+        # Options (or a batch) far too large: torch's allocator fails deep inside a layer's init.
+        text = str(exc)
+        if not isinstance(exc, MemoryError) and "alloc" not in text.lower() and "out of memory" not in text.lower():
+            raise
+        first = next((ln.strip() for ln in text.splitlines() if "allocate" in ln), text.strip()[:200])
+        raise ModelError(
+            f"model {name!r} with options {options or 'default'} and batch_size={batch_size} does not fit in memory "
+            f"({type(exc).__name__}: {first}); choose smaller options or a smaller batch"
+        ) from None
     return bundle
 
 

@@ -65,14 +65,22 @@ class PlanOptions:
         get_cost_model(self.cost_model)  # validates the name
         if self.schedule not in SCHEDULES:
             raise PlanError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if self.num_stages is not None and (not isinstance(self.num_stages, int) or self.num_stages < 1):
-            raise PlanError(f"num_stages={self.num_stages!r} must be a positive integer or None")
-        if self.memory_limit is not None and not self.memory_limit > 0:
-            raise PlanError(f"memory_limit={self.memory_limit!r} must be positive bytes or None")
-        if int(self.microbatches) < 1:
-            raise PlanError(f"microbatches={self.microbatches!r} must be >= 1")
-        if self.max_states < 3:
-            raise PlanError(f"max_states={self.max_states} must be at least 3")
+        if self.num_stages is not None and (not _is_int(self.num_stages) or self.num_stages < 1):
+            raise PlanError(f"num_stages (--stages) must be an integer >= 1 or None, got {self.num_stages!r}; "
+                            f"pass e.g. 4, or None to let the planner choose")
+        if self.memory_limit is not None and not (
+                isinstance(self.memory_limit, (int, float)) and 0 < self.memory_limit < math.inf):
+            raise PlanError(f"memory_limit (--memory) must be positive finite bytes or None, got {self.memory_limit!r}; "
+                            f"pass e.g. 16e9")
+        if not _is_int(self.microbatches) or self.microbatches < 1:
+            raise PlanError(f"microbatches (--microbatches) must be an integer >= 1, got {self.microbatches!r}; pass e.g. 4")
+        if not _is_int(self.max_states) or self.max_states < 3:
+            raise PlanError(f"max_states (--max-states) must be an integer >= 3, got {self.max_states!r}; "
+                            f"the default 2048 suits most models")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _states_for(dag: Dag, topology: Topology, options: PlanOptions):
@@ -103,7 +111,14 @@ def plan(profile: Profile, topology: Topology, options: PlanOptions | None = Non
             no plan fits in memory (the message gives the smallest memory that would fit).
     """
     t0 = time.perf_counter()
-    options = options or PlanOptions()
+    if not isinstance(profile, Profile):
+        raise PlanError(f"plan() needs a Profile as its first argument, got {type(profile).__name__}; "
+                        f"load one with load_profile('model.json') or make one with profile_model(...)")
+    if options is None:
+        options = PlanOptions()
+    elif not isinstance(options, PlanOptions):
+        raise PlanError(f"plan() options must be a PlanOptions, got {type(options).__name__}; "
+                        f"pass e.g. PlanOptions(straight=True)")
     check_topology(topology)
     model = get_cost_model(options.cost_model, options.cost_params)
     dag = Dag.from_profile(profile)

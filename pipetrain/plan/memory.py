@@ -25,12 +25,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from ..errors import PlanError
 from ..profile.types import Profile
 from .cost import stage_arrays
 from .types import Plan, Stage
+
+if TYPE_CHECKING:
+    import numpy as np
+    from numpy.typing import ArrayLike
 
 SCHEDULES = ("pipedream", "flush", "2bw", "gpipe")
 
@@ -105,7 +109,8 @@ def stage_memory(profile: Profile, stages: Sequence[Stage] | Plan, schedule: str
     return out
 
 
-def max_units_array(model: MemoryModel, params, act, inp, limit: float):
+def max_units_array(model: MemoryModel, params: ArrayLike, act: ArrayLike, inp: ArrayLike,
+                    limit: float) -> np.ndarray:
     """Vectorised :meth:`MemoryModel.max_units` over numpy arrays (``inf``: any, ``-1``: none)."""
     import numpy as np
 

@@ -223,6 +223,8 @@ class TopLevel:
 
 
 def top_level(prob: Problem, E: np.ndarray, BwE: np.ndarray) -> TopLevel:
+    """The outermost level's candidate stages: every finite (state a, state z) pair with its
+    per-worker compute ``E``, overlappable backward ``BwE``, bytes and memory-feasible depth."""
     st = prob.states
     pa, pz = _pairs(st)
     e = E[pa, pz]

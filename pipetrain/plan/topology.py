@@ -34,6 +34,8 @@ def parse_quantity(text: str | float | int, what: str = "bandwidth") -> float:
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
+    if not isinstance(text, str):
+        raise PlanError(f"{what} must be a number or a string such as '10Gbit', got {type(text).__name__} {text!r}; fix the value")
     m = _QTY.match(str(text))
     unit = m.group(3) if m else ""
     low = unit.lower().removesuffix("/s").removesuffix("ps")
@@ -48,12 +50,18 @@ def parse_quantity(text: str | float | int, what: str = "bandwidth") -> float:
     return value
 
 
-def _split(values: str | int | float | Sequence[int | float | str]) -> list[str | int | float]:
+def _split(values: str | int | float | Sequence[int | float | str], what: str) -> list[str | int | float]:
     if isinstance(values, str):
         return [v for v in (p.strip() for p in values.replace("x", ",").split(",")) if v]
+    if isinstance(values, bool) or values is None:
+        raise PlanError(f"{what} must be a number, a string like '4,4' or a list of numbers, got {values!r}; fix --{what}")
     if isinstance(values, (int, float)):
         return [values]
-    return list(values)
+    try:
+        return list(values)
+    except TypeError:
+        raise PlanError(f"{what} must be a number, a string like '4,4' or a list of numbers, "
+                        f"got {type(values).__name__}; fix --{what}") from None
 
 
 def parse_topology(workers: str | int | Sequence[int] = "4", bandwidth: str | float | Sequence[float | str] = "1.25e9",
@@ -68,8 +76,8 @@ def parse_topology(workers: str | int | Sequence[int] = "4", bandwidth: str | fl
     Raises:
         PlanError: a count or bandwidth that is not positive, or lists of different lengths.
     """
-    ws = _split(workers)
-    bs = _split(bandwidth)
+    ws = _split(workers, "workers")
+    bs = _split(bandwidth, "bandwidth")
     if not ws:
         raise PlanError("no worker counts given; pass --workers like 16 or 4,4; fix the option")
     if len(ws) != len(bs):
@@ -80,7 +88,7 @@ def parse_topology(workers: str | int | Sequence[int] = "4", bandwidth: str | fl
     levels = []
     for w, b in zip(ws, bs):
         try:
-            wi = int(w) if not isinstance(w, float) or float(w).is_integer() else None
+            wi = None if isinstance(w, bool) else int(w) if not isinstance(w, float) or float(w).is_integer() else None
         except (TypeError, ValueError):
             wi = None
         if wi is None or wi <= 0:
@@ -92,13 +100,16 @@ def parse_topology(workers: str | int | Sequence[int] = "4", bandwidth: str | fl
     mem = None
     if memory is not None:
         mem = parse_quantity(memory, "memory")
-        if not mem > 0:
-            raise PlanError(f"memory per worker {memory!r} must be positive bytes; fix --memory")
+        if not 0 < mem < math.inf:
+            raise PlanError(f"memory per worker {memory!r} must be positive finite bytes; fix --memory (e.g. 16GB)")
     return Topology(tuple(levels), mem)
 
 
 def check_topology(topology: Topology) -> None:
     """Raise PlanError unless every level has a positive worker count and bandwidth."""
+    if not isinstance(topology, Topology):
+        raise PlanError(f"the topology must be a Topology, got {type(topology).__name__}; "
+                        f"build it with parse_topology('16', '1.25e9') or Topology.flat(16, 1.25e9)")
     if not topology.levels:
         raise PlanError("the topology has no levels; build it with parse_topology('16', '1.25e9')")
     for i, lv in enumerate(topology.levels):

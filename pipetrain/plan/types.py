@@ -114,27 +114,95 @@ class Plan:
         return d
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "Plan":
+    def from_dict(d: dict[str, Any], source: str = "<dict>") -> "Plan":
+        """Build a Plan from its JSON form (:meth:`to_dict`), checking its shape.
+
+        Raises:
+            PlanError: ``d`` is not a plan (not an object, no ``stages``, a profile instead,
+                a stage without a node list or with a replica count < 1), naming ``source``.
+        """
+        from ..errors import PlanError
+
+        hint = "write plans with `pipetrain plan PROFILE --output PLAN.json` (or Plan.save)"
+        if not isinstance(d, dict):
+            raise PlanError(f"{source}: a plan must be a JSON object, got {type(d).__name__}; {hint}")
+        if "stages" not in d:
+            if "nodes" in d:
+                raise PlanError(
+                    f"{source} is a profile, not a plan (it has 'nodes' but no 'stages'); make a plan from it "
+                    f"with `pipetrain plan {source} --output plan.json` and pass that"
+                )
+            raise PlanError(f"{source}: missing field 'stages'; this is not a pipetrain plan; {hint}")
+        version = d.get("version", PLAN_VERSION)
+        if version != PLAN_VERSION:
+            raise PlanError(f"{source}: plan version {version!r} is not supported (this pipetrain reads version "
+                            f"{PLAN_VERSION}); make the plan again with `pipetrain plan`")
+        raw = d["stages"]
+        if not isinstance(raw, list) or not raw:
+            raise PlanError(f"{source}: field 'stages' must be a non-empty list of stages, got {raw!r:.80}; {hint}")
+        fields = {"nodes", "replicas", "compute_time", "sync_time", "memory_bytes"}
+        stages = []
+        for k, s in enumerate(raw):
+            if not isinstance(s, dict):
+                raise PlanError(f"{source}: stage {k} must be an object with 'nodes' and 'replicas', "
+                                f"got {type(s).__name__}; {hint}")
+            unknown = sorted(set(s) - fields)
+            if unknown:
+                raise PlanError(f"{source}: stage {k} has unknown field {unknown[0]!r}; a stage has "
+                                f"{', '.join(sorted(fields))}; remove it")
+            nodes = s.get("nodes")
+            if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+                raise PlanError(f"{source}: stage {k} has nodes={nodes!r:.80}; every stage needs a non-empty list "
+                                f"of node names; fix the plan")
+            r = s.get("replicas", 1)
+            if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+                raise PlanError(f"{source}: stage {k} has replicas={r!r}; a replica count must be an integer "
+                                f">= 1; fix the plan")
+            stages.append(Stage(**s))
         topo = d.get("topology")
         topology = None
         if topo:
-            topology = Topology(tuple(Level(**lv) for lv in topo["levels"]), topo.get("memory_per_worker"))
-        stages = [Stage(**s) for s in d["stages"]]
+            try:
+                topology = Topology(tuple(Level(**lv) for lv in topo["levels"]), topo.get("memory_per_worker"))
+            except (KeyError, TypeError, AttributeError) as e:
+                raise PlanError(f"{source}: field 'topology' is malformed ({type(e).__name__}: {e}); it needs "
+                                f"'levels': [{{'workers': N, 'bandwidth': B}}, ...]; fix it or drop the field") from None
         keys = {"model", "batch_size", "predicted_time", "data_parallel_time", "cost_model",
                 "solve_seconds", "extra", "version"}
+        extra = d.get("extra", {})
+        if not isinstance(extra, dict):
+            raise PlanError(f"{source}: field 'extra' must be an object, got {type(extra).__name__}; fix the plan")
         return Plan(stages=stages, topology=topology, **{k: d[k] for k in keys if k in d})
 
     def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=1))
-
-    @staticmethod
-    def load(path: str | Path) -> "Plan":
+        """Write the plan as JSON to ``path`` (PlanError if the path cannot be written)."""
         from ..errors import PlanError
 
         try:
-            d = json.loads(Path(path).read_text())
-            return Plan.from_dict(d)
+            Path(path).write_text(json.dumps(self.to_dict(), indent=1))
+        except OSError as e:
+            raise PlanError(f"cannot write plan {str(path)!r}: {e.strerror or e}; choose a writable file path "
+                            f"(does the directory exist?)") from None
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        """Read a plan written by :meth:`save`; a one-line PlanError for any unreadable or malformed file."""
+        from ..errors import PlanError
+
+        p = Path(path)
+        if p.is_dir():
+            raise PlanError(f"plan file {str(path)!r} is a directory; pass the plan JSON file written by "
+                            f"`pipetrain plan PROFILE ... --output FILE`")
+        try:
+            text = p.read_text()
         except FileNotFoundError:
             raise PlanError(f"plan file {str(path)!r} does not exist; create one with `pipetrain plan PROFILE ... --output {path}`") from None
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise PlanError(f"plan file {str(path)!r} is not a pipetrain plan ({type(e).__name__}: {e}); write it with `pipetrain plan ... --output FILE`") from None
+        except (OSError, UnicodeDecodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+            raise PlanError(f"cannot read plan file {str(path)!r} ({why}); pass a plan JSON written by "
+                            f"`pipetrain plan ... --output FILE`") from None
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"plan file {str(path)!r} is not JSON ({e}); write it with `pipetrain plan ... --output FILE`") from None
+        return Plan.from_dict(d, str(path))

@@ -22,6 +22,9 @@ from typing import Any, Callable, Iterable
 from ..errors import ProfileError
 from .types import PROFILE_VERSION, NodeProfile, Profile
 
+#: Node kinds a profile may hold (the LayerGraph's: model inputs, leaf modules, functional ops).
+NODE_KINDS = ("input", "module", "function")
+
 #: Fields every JSON node must have (``op``, ``inputs`` and ``kind`` have defaults).
 REQUIRED_NODE_FIELDS = ("name", "forward_time", "backward_time", "activation_bytes", "parameter_bytes")
 
@@ -113,6 +116,11 @@ def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
     """Build and validate a Profile from its JSON (version 1) form; ``source`` names it in errors."""
     if not isinstance(d, dict):
         raise ProfileError(f"{source}: a profile must be a JSON object, got {type(d).__name__}; write it with save_profile or `pipetrain profile`")
+    if "nodes" not in d and "stages" in d:
+        raise ProfileError(
+            f"{source} is a plan, not a profile (it has 'stages' but no 'nodes'); pass the profile the plan was "
+            f"made from (a .json written by `pipetrain profile --output` or a PipeDream .txt)"
+        )
     if "version" not in d:
         raise ProfileError(f"{source}: missing field 'version'; a profile needs \"version\": {PROFILE_VERSION}; add it or regenerate the profile")
     if d["version"] != PROFILE_VERSION:
@@ -130,13 +138,20 @@ def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
         for f in REQUIRED_NODE_FIELDS:
             if f not in nd:
                 raise ProfileError(f"{source}: node {label!r} misses field {f!r}; every node needs {', '.join(REQUIRED_NODE_FIELDS)}; add it")
+        if not isinstance(nd["name"], str) or not nd["name"]:
+            raise ProfileError(f"{source}: node {i} has name={nd['name']!r}; node names must be non-empty strings; "
+                               f"quote it, e.g. \"name\": \"{nd['name']}\"")
+        kind = nd.get("kind", "module")
+        if kind not in NODE_KINDS:
+            raise ProfileError(f"{source}: node {label!r} has kind={kind!r}; kind must be one of "
+                               f"{', '.join(NODE_KINDS)}; fix it (or drop it: the default is 'module')")
         inputs = nd.get("inputs", [])
         if not isinstance(inputs, list) or not all(isinstance(s, str) for s in inputs):
             raise ProfileError(f"{source}: node {label!r} has inputs={inputs!r}; inputs must be a list of node names; fix it")
         node = NodeProfile(
             name=str(nd["name"]), op=str(nd.get("op", "")), forward_time=nd["forward_time"],
             backward_time=nd["backward_time"], activation_bytes=nd["activation_bytes"],
-            parameter_bytes=nd["parameter_bytes"], inputs=list(inputs), kind=str(nd.get("kind", "module")),
+            parameter_bytes=nd["parameter_bytes"], inputs=list(inputs), kind=kind,
         )
         check_costs(node, source)
         nodes.append(node)
@@ -144,8 +159,10 @@ def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
     if batch is not None and (not isinstance(batch, int) or isinstance(batch, bool) or batch <= 0):
         raise ProfileError(f"{source}: batch_size={batch!r} must be a positive integer or null; fix it")
     osb = d.get("optimizer_state_bytes_per_parameter_byte", 1.0)
-    if not isinstance(osb, (int, float)) or osb < 0:
-        raise ProfileError(f"{source}: optimizer_state_bytes_per_parameter_byte={osb!r} must be a number >= 0; fix it")
+    if not isinstance(osb, (int, float)) or isinstance(osb, bool) or not 0 <= osb < math.inf:
+        raise ProfileError(f"{source}: optimizer_state_bytes_per_parameter_byte={osb!r} must be a finite number >= 0; fix it")
+    if not nodes:
+        raise ProfileError(f"{source}: the profile has no nodes; profile a model with `pipetrain profile --model NAME --output FILE`")
     return Profile(
         model=str(d.get("model", "")), batch_size=batch, nodes=topological_nodes(nodes, source),
         device=str(d.get("device", "unknown")), optimizer=str(d.get("optimizer", "sgd")),
@@ -154,13 +171,22 @@ def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
-    """Write ``profile`` as JSON version 1 (whatever the extension)."""
-    Path(path).write_text(json.dumps(profile_to_dict(profile), indent=1))
+    """Write ``profile`` as JSON version 1 (whatever the extension); ProfileError if ``path`` cannot be written."""
+    try:
+        Path(path).write_text(json.dumps(profile_to_dict(profile), indent=1))
+    except OSError as e:
+        raise ProfileError(
+            f"cannot write profile {str(path)!r}: {e.strerror or e}; choose a writable file path (does the directory exist?)"
+        ) from None
 
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile: PipeDream text for ``.txt``, JSON version 1 otherwise."""
+    if not isinstance(path, (str, Path)) or not str(path):
+        raise ProfileError(f"a profile path must be a non-empty str or Path, got {path!r}; pass e.g. load_profile('model.json')")
     p = Path(path)
+    if p.is_dir():
+        raise ProfileError(f"profile file {str(p)!r} is a directory; pass a profile file (.json, or PipeDream .txt) inside it")
     if not p.is_file():
         raise ProfileError(
             f"profile file {str(p)!r} does not exist; create one with `pipetrain profile MODEL --output {p.name}` or pass a PipeDream .txt profile"
@@ -171,6 +197,8 @@ def load_profile(path: str | Path) -> Profile:
         return load_pipedream_txt(p)
     try:
         d = json.loads(p.read_text())
+    except OSError as e:
+        raise ProfileError(f"cannot read profile file {str(p)!r} ({e.strerror or e}); check its permissions") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProfileError(
             f"profile file {str(p)!r} is not JSON ({e}); profiles are JSON version 1 or PipeDream text with a .txt extension; regenerate it"

@@ -130,6 +130,12 @@ def parse_pipedream_txt(text: str, source: str = "<string>", model: str = "",
             continue
         if src not in nodes[dst].inputs:
             nodes[dst].inputs.append(src)
+    if not nodes:
+        raise ProfileError(
+            f"{source}: no node lines found; a PipeDream profile lists lines like 'node1 -- Conv2d(...) -- "
+            f"forward_compute_time=MS, backward_compute_time=MS, activation_size=BYTES, parameter_size=BYTES'; "
+            f"pass a PipeDream graph.txt file"
+        )
     kept = [nodes[n] for n in order if n not in dropped]
     kept = topological_nodes(kept, source, key=lambda nd: _natural_key(nd.name))
 
@@ -149,4 +155,6 @@ def load_pipedream_txt(path: str | Path, batch_size: int | None = None) -> Profi
         raise ProfileError(f"profile file {str(p)!r} does not exist; pass the path of a PipeDream graph .txt file") from None
     except UnicodeDecodeError as e:
         raise ProfileError(f"profile file {str(p)!r} is not text ({e}); pass a PipeDream graph .txt file") from None
+    except OSError as e:
+        raise ProfileError(f"cannot read profile file {str(p)!r} ({e.strerror or e}); pass a readable PipeDream graph .txt file") from None
     return parse_pipedream_txt(text, source=str(p), model=p.stem, batch_size=batch_size)

@@ -23,6 +23,7 @@ The model's buffers, parameter gradients and the global RNG are left as they wer
 from __future__ import annotations
 
 import contextlib
+import math
 import statistics
 import time
 from typing import Any, Callable, Iterator, Sequence
@@ -44,11 +45,16 @@ OPTIMIZER_STATE_FACTORS = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}
 
 def optimizer_state_factor(optimizer: str, momentum: float = 0.9) -> float:
     """Bytes of optimizer state per byte of parameters (SGD without momentum keeps none)."""
+    if not isinstance(optimizer, str):
+        raise ProfileError(f"optimizer must be a name such as 'sgd', got {optimizer!r}; valid optimizers: "
+                           f"{', '.join(OPTIMIZER_STATE_FACTORS)}")
     name = optimizer.lower()
     if name not in OPTIMIZER_STATE_FACTORS:
         raise ProfileError(
             f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATE_FACTORS)}"
         )
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < math.inf:
+        raise ProfileError(f"momentum must be a finite number >= 0, got {momentum!r}; pass e.g. momentum=0.9 (0: no momentum)")
     if name == "sgd" and not momentum:
         return 0.0
     return OPTIMIZER_STATE_FACTORS[name]
@@ -77,6 +83,15 @@ def _check_counts(warmup: int, repeats: int) -> None:
         raise ProfileError(f"warmup must be an integer >= 0, got {warmup!r}; pass e.g. warmup=2")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise ProfileError(f"repeats must be an integer >= 1, got {repeats!r}; pass e.g. repeats=5")
+
+
+def _warm_autograd(device: torch.device) -> None:
+    """Run one tiny matmul forward and backward on ``device`` so that one-time start-up costs
+    (autograd's worker threads, the BLAS library's first GEMMs: about 0.3 s on a CPU) are not
+    charged to the first node's backward, even with ``warmup=0``."""
+    x = torch.ones(4, 2, device=device, requires_grad=True)
+    w = torch.ones(3, 2, device=device, requires_grad=True)
+    torch.nn.functional.linear(x, w).backward(torch.ones(4, 3, device=device))
 
 
 def _to_device(value: Any, device: torch.device) -> Any:
@@ -216,6 +231,7 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
         first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
         batch_size = int(first.shape[0]) if first is not None else None
 
+    _warm_autograd(dev)
     timer = _NodeTimer(gm, dev, warmup, repeats)
     env: dict[str, Any] = {}
     times: dict[str, tuple[float, float]] = {}

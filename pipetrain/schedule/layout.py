@@ -8,6 +8,7 @@ within its minibatch, ``(u mod m) mod r``, so that every minibatch spreads the s
 from __future__ import annotations
 
 import math
+import numbers
 from typing import Sequence
 
 from ..errors import ScheduleError
@@ -15,10 +16,22 @@ from ..errors import ScheduleError
 
 def check_replicas(replicas: Sequence[int]) -> list[int]:
     """Return ``replicas`` as a list of ints, or raise if it is not a non-empty list of counts >= 1."""
+    def as_count(r: object) -> int:
+        # Integral numbers only: 2.5 or True must not silently become 2 or 1.
+        if isinstance(r, numbers.Integral) and not isinstance(r, bool):
+            return int(r)
+        if isinstance(r, float) and r.is_integer():
+            return int(r)
+        raise TypeError
+
     try:
-        out = [int(r) for r in replicas]
-    except (TypeError, ValueError):
-        raise ScheduleError(f"replicas must be a list of replica counts per stage, e.g. [2,1,1]; got {replicas!r}") from None
+        if isinstance(replicas, (str, bytes)):
+            raise TypeError  # "21" would otherwise read as [2, 1]
+        out = [as_count(r) for r in replicas]
+    except (TypeError, ValueError, OverflowError):
+        raise ScheduleError(
+            f"replicas must be a list of integer replica counts per stage, e.g. [2,1,1]; got {replicas!r}"
+        ) from None
     if not out:
         raise ScheduleError("replicas is empty: give one replica count per stage, e.g. [1,1] for two stages")
     bad = [r for r in out if r < 1]

@@ -79,8 +79,8 @@ def build_schedule(name: str, replicas: Sequence[int], microbatches: int = 1, st
         raise ScheduleError(
             f"schedule {name!r} takes no option {', '.join(unknown)}; its options: {', '.join(allowed) or 'none'}"
         )
-    if not isinstance(microbatches, int) or microbatches < 1:
+    if not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1:
         raise ScheduleError(f"microbatches must be an integer >= 1 (got {microbatches!r}); use 1 or more")
-    if not isinstance(steps, int) or steps < 1:
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise ScheduleError(f"steps must be an integer >= 1 (got {steps!r}); use 1 or more")
     return insert_comm(builder(replicas, microbatches, steps, **options))

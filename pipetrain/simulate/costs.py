@@ -134,6 +134,13 @@ class StageCosts:
         ``activation_bytes`` and ``parameter_bytes`` default to 1 so that peak memory counts
         units in flight plus weight versions.
         """
+        from ..errors import ScheduleError
+
+        if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+            raise ScheduleError(f"num_stages must be an integer >= 1, got {num_stages!r}; pass the schedule's stage count")
+        _check_seconds(step_time, "step_time")
+        for value, name in ((activation_bytes, "activation_bytes"), (parameter_bytes, "parameter_bytes")):
+            _check_seconds(value, name, unit="bytes")
         fwd = _per_stage(forward_time, num_stages, "forward_time")
         bwd = _per_stage(backward_time, num_stages, "backward_time")
         stages = [StageCost(f, b, parameter_bytes=parameter_bytes, activation_bytes=activation_bytes,
@@ -153,8 +160,14 @@ class StageCosts:
             step_time: seconds of one optimizer step of a stage.
             latency: seconds added to every transfer.
         """
-        if units < 1:
-            raise PlanError(f"units must be >= 1 (got {units}); pass the number of microbatches per minibatch")
+        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+            raise PlanError(f"units must be an integer >= 1 (got {units!r}); pass the number of microbatches per minibatch")
+        if not isinstance(plan, Plan):
+            raise PlanError(f"from_plan() needs a Plan, got {type(plan).__name__}; load one with Plan.load('plan.json')")
+        if not isinstance(profile, Profile):
+            raise ProfileError(f"from_plan() needs a Profile, got {type(profile).__name__}; load one with load_profile(path)")
+        _check_seconds(step_time, "step_time")
+        _check_seconds(latency, "latency")
         S = plan.num_stages
         stage_of: dict[str, int] = {}
         for k, st in enumerate(plan.stages):
@@ -220,17 +233,28 @@ class StageCosts:
         return replace(self, stages=[replace(s, step_time=step_time) for s in self.stages])
 
 
+def _check_seconds(value: object, name: str, unit: str = "seconds") -> None:
+    """Raise ScheduleError unless ``value`` is a finite real number >= 0."""
+    from ..errors import ScheduleError
+
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < math.inf:
+        raise ScheduleError(f"{name} must be a finite number of {unit} >= 0, got {value!r}; pass e.g. 0 or 0.001")
+
+
 def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]:
     from ..errors import ScheduleError
 
-    if isinstance(value, (int, float)):
-        vals = [float(value)] * n
-    else:
-        vals = [float(v) for v in value]
-        if len(vals) == 1:
-            vals = vals * n
+    try:
+        if isinstance(value, (int, float)):
+            vals = [float(value)] * n
+        else:
+            vals = [float(v) for v in value]
+            if len(vals) == 1:
+                vals = vals * n
+    except (TypeError, ValueError):
+        raise ScheduleError(f"{name} must be a number of seconds or one per stage, got {value!r}; pass e.g. 1.0 or [1.0, 2.0]") from None
     if len(vals) != n:
         raise ScheduleError(f"{name} needs one value or one per stage ({n} stages), got {len(vals)}: {list(vals)}")
-    if any(v < 0 for v in vals):
-        raise ScheduleError(f"{name} must be >= 0 seconds, got {vals}")
+    if any(not 0 <= v < math.inf for v in vals):
+        raise ScheduleError(f"{name} must be finite and >= 0 seconds, got {vals}; fix the times")
     return vals

@@ -121,6 +121,12 @@ class SimResult:
 
 def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     """Run ``schedule`` on ``costs`` and return timelines and figures (see module docstring)."""
+    if not isinstance(schedule, Schedule):
+        raise ScheduleError(f"simulate() needs a Schedule, got {type(schedule).__name__}; "
+                            f"build one with build_schedule('pipedream', [1, 1], steps=8)")
+    if not isinstance(costs, StageCosts):
+        raise ScheduleError(f"simulate() needs StageCosts, got {type(costs).__name__}; "
+                            f"build them with StageCosts.from_plan(plan, profile) or StageCosts.synthetic(...)")
     if len(costs) != schedule.num_stages:
         raise ScheduleError(
             f"costs cover {len(costs)} stages but schedule {schedule.name!r} has {schedule.num_stages}; "
