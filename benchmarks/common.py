@@ -69,6 +69,13 @@ class BenchModel:
     make_batch: Callable[[int, Any], tuple[tuple[Any, ...], Any]]
     source: str
     pipetrain_spec: str
+    child_names: list[str] | None = None  # qualified module name of each child in pipetrain's model
+
+    def cut_names(self, cuts: Sequence[int]) -> list[str] | None:
+        """pipetrain's ``--cut`` names for child-index cuts: the module each stage begins with."""
+        if self.child_names is None:
+            return None
+        return [self.child_names[c] for c in cuts]
 
     def num_parameters(self) -> int:
         """Number of trainable scalars of the whole model."""
@@ -263,14 +270,19 @@ def build_bench_model(name: str, seed: int = 0, source: str | None = None) -> Be
             layers = as_sequential(bundle.model)
             if layers is None:
                 raise TypeError(f"pipetrain's {MODEL_NAMES[name]} is not a sequence of layers")
+            if layers is bundle.model:
+                names = [str(i) for i in range(len(layers))]
+            else:  # GPT as (embedding, blocks..., head): the modules each child starts with
+                names = ["wte"] + [f"blocks.{i}" for i in range(len(bundle.model.blocks))] + ["ln_f"]
             return BenchModel(name, batch, layers, bundle.loss_fn, bundle.make_batch,
-                              "pipetrain.models", MODEL_NAMES[name])
+                              "pipetrain.models", MODEL_NAMES[name], names)
         except Exception:  # not written yet, or a different shape: use the local one
             if source == "pipetrain.models":
                 raise
     torch.manual_seed(seed)
     model, loss_fn, make_batch = _LOCAL[name]()
-    return BenchModel(name, batch, model, loss_fn, make_batch, "local", f"common:{name}_bundle")
+    return BenchModel(name, batch, model, loss_fn, make_batch, "local", f"common:{name}_bundle",
+                      [str(i) for i in range(len(model))])
 
 
 def _bundle(name: str, batch_size: int | None = None, **_: Any) -> Any:

@@ -31,7 +31,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import common
@@ -109,6 +109,8 @@ def measure_harness(cfg: Config, model: str, args: argparse.Namespace,
         "rss_setup_mib": [p.get("rss_setup_mib") for p in payloads],  # type: ignore[union-attr]
         "peak_reset": all(p.get("peak_reset") for p in payloads),  # type: ignore[union-attr]
     }
+    if "trained" in payloads[0]:  # type: ignore[operator]
+        extra["trained_per_worker"] = [p.get("trained") for p in payloads]  # type: ignore[union-attr]
     if "static_stage" in payloads[0]:  # type: ignore[operator]
         extra["static_stage"] = all(p["static_stage"] for p in payloads)  # type: ignore[index]
     return common.Measurement(batch * steps / elapsed, "ok", "",
@@ -124,7 +126,7 @@ def measure(cfg: Config, model: str, facts: ModelFacts, cli: pipetrain_cli.CliIn
     return pipetrain_cli.run_pipetrain(
         cli, facts.pipetrain_spec, cfg.schedule, cfg.world, cfg.pipetrain_config or None,
         common.BATCH_SIZES[model], cfg.microbatches, args.steps_for[model], args.warmup,
-        args.seed, args.timeout)
+        args.seed, args.timeout, facts.cut_names.get(cfg.world))
 
 
 # --------------------------------------------------------------------------- summarising
@@ -153,6 +155,13 @@ def summarise(model: str, runs: dict[str, list[common.Measurement]], cfgs: list[
         good = [m for m in ms if m.status == "ok"] or ms  # memory of failed runs only if none ran
         rss = [max(col) for col in zip(*[m.peak_rss_mib for m in good if m.peak_rss_mib])]
         base = next((m.extra.get("rss_import_mib") for m in reversed(good) if m.extra.get("rss_import_mib")), None)
+        # Training-phase growth: peak (counted from the set-up point) minus RSS at that point.
+        # Harness workers and pipetrain (since --cut/VmHWM reset) both report it the same way.
+        above_setup = [max(col) for col in zip(*[
+            [p - b for p, b in zip(m.peak_rss_mib, m.extra["rss_setup_mib"])]
+            for m in good if m.peak_rss_mib and isinstance(m.extra.get("rss_setup_mib"), list)
+            and all(isinstance(b, (int, float)) for b in m.extra["rss_setup_mib"])
+            and len(m.extra["rss_setup_mib"]) == len(m.peak_rss_mib)])] or None
         configs[cfg.name] = {
             "workers": cfg.world, "schedule": cfg.schedule or cfg.kind,
             "microbatches": cfg.microbatches, "status": status,
@@ -160,15 +169,22 @@ def summarise(model: str, runs: dict[str, list[common.Measurement]], cfgs: list[
             "samples_per_second_min": min(ok) if ok else None,
             "samples_per_second_max": max(ok) if ok else None,
             "samples_per_second_rounds": [m.samples_per_second for m in ms],
+            "samples_per_second_steady_rounds": [m.extra.get("samples_per_second_steady") for m in ms]
+            if cfg.kind == "pipetrain" else None,
             "ratio_vs_single": paired_ratio(runs, cfg.name, "single"),
             "peak_rss_mib_per_worker": rss,
             "rss_after_import_mib_per_worker": base,
             "peak_above_import_mib_per_worker": [r - b for r, b in zip(rss, base)] if base else None,
+            "peak_above_setup_mib_per_worker": above_setup,
             "predicted_peak_mib_per_worker": facts.predicted.get(cfg.name),
             "errors": sorted({m.error for m in failures if m.error}),
             "details": ms[-1].extra if ms else {},
         }
     prim = 4 if 4 in microbatches else max(microbatches)
+    steady = {name: [common.Measurement(m.extra.get("samples_per_second_steady") or None, m.status, m.error,
+                                        m.peak_rss_mib, m.extra) for m in ms]
+              for name, ms in runs.items() if name.startswith("pipetrain_")}
+    steady.update({name: ms for name, ms in runs.items() if not name.startswith("pipetrain_")})
     torch_names = [c.name for c in cfgs if c.kind == "torch_pipe" and medians.get(c.name)]
     best = max(torch_names, key=lambda n: medians[n] or 0.0) if torch_names else None
     out: dict[str, Any] = {
@@ -177,6 +193,11 @@ def summarise(model: str, runs: dict[str, list[common.Measurement]], cfgs: list[
         "pipetrain_flush_vs_torch_1f1b": paired_ratio(runs, f"pipetrain_flush_m{prim}", f"torch_1f1b_m{prim}"),
         "pipetrain_gpipe_vs_torch_gpipe": paired_ratio(runs, f"pipetrain_gpipe_m{prim}", f"torch_gpipe_m{prim}"),
         "pipetrain_pipedream_vs_torch_best": paired_ratio(runs, "pipetrain_pipedream", best) if best else None,
+        # The same ratios for pipetrain's steady-state rate (between its first and last timed
+        # STEP: the pipeline's one-time fill and drain left out, see docs/performance.md).
+        "pipetrain_pipedream_steady_vs_single": paired_ratio(steady, "pipetrain_pipedream", "single"),
+        "pipetrain_pipedream_steady_vs_ceiling": paired_ratio(steady, "pipetrain_pipedream", "ceiling"),
+        "pipetrain_pipedream_steady_vs_torch_best": paired_ratio(steady, "pipetrain_pipedream", best) if best else None,
         "ceiling_vs_single": paired_ratio(runs, "ceiling", "single"),
         "ddp_vs_single": paired_ratio(runs, "ddp", "single"),
         "torch_best_vs_single": paired_ratio(runs, best, "single") if best else None,
@@ -216,7 +237,7 @@ def print_table(report: dict[str, Any]) -> None:
         for name, c in r["configs"].items():
             rng = (f"{fmt(c['samples_per_second_min'])}-{fmt(c['samples_per_second_max'])}"
                    if c["samples_per_second_min"] is not None else "-")
-            above = c["peak_above_import_mib_per_worker"]
+            above = c["peak_above_setup_mib_per_worker"]
             rss = ("/".join(f"{x:.0f}" for x in above) if above else
                    "/".join(f"{x:.0f}" for x in c["peak_rss_mib_per_worker"]) + "*"
                    if c["peak_rss_mib_per_worker"] else "-")
@@ -226,12 +247,13 @@ def print_table(report: dict[str, Any]) -> None:
                    if err and err == meta.get("pipetrain_unavailable") else f"{c['status']}: {err[:90]}")
             print(f"  {name:<26}{fmt(c['samples_per_second_median']):>11}{rng:>17}"
                   f"{fmt(c['ratio_vs_single'], '.2f'):>11}{rss:>18}{sim:>12}  {why}")
-        print("  mem: peak RSS of each worker's training phase above its RSS after `import torch`"
-              " (* = absolute, whole-life peaks reported by\n       pipetrain, or sampled from its processes); sim: pipetrain.simulate's model-state peak for the harness's cut")
+        print("  mem: peak RSS of each worker's training phase above its RSS once set up (stage built, peak reset)"
+              " (* = absolute peaks, when a run\n       reports no set-up RSS); sim: pipetrain.simulate's model-state peak for the harness's cut")
         print("  ratios (median of per-round ratios):")
         for key in ("ceiling_vs_single", "ddp_vs_single", "torch_best_vs_single",
                     "pipetrain_pipedream_vs_single", "pipetrain_pipedream_vs_ceiling",
-                    "pipetrain_pipedream_vs_torch_best", "pipetrain_flush_vs_torch_1f1b",
+                    "pipetrain_pipedream_vs_torch_best", "pipetrain_pipedream_steady_vs_ceiling",
+                    "pipetrain_pipedream_steady_vs_torch_best", "pipetrain_flush_vs_torch_1f1b",
                     "pipetrain_gpipe_vs_torch_gpipe"):
             note = ""
             if key.endswith("torch_best") or key == "torch_best_vs_single":
@@ -290,6 +312,7 @@ class ModelFacts:
     cuts: dict[int, list[int]]  # worker count -> child indices where stages 1.. begin
     predicted: dict[str, list[float] | None]  # config -> simulator's peak MiB per worker
     report: dict[str, Any]  # the "model" entry of the JSON report
+    cut_names: dict[int, list[str]] = field(default_factory=dict)  # worker count -> pipetrain --cut names
 
 
 def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> ModelFacts:
@@ -318,12 +341,16 @@ def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> M
         cache: dict[int, Any] = {}  # stage costs per unit count, shared by the schedules
         predicted = {c.name: predict.predict(bm, cuts[2], c.kind, c.schedule, c.microbatches, cache=cache)
                      for c in cfgs if c.world == 2 and c.kind in ("torch_pipe", "pipetrain")}
+    cut_names = {w: names for w, c in cuts.items() if (names := bm.cut_names(c)) is not None}
+    first = {str(w): [(bm.child_names or ["0"])[0], *names] for w, names in cut_names.items()}
     report = {"source": bm.source, "batch_size": bm.batch_size, "num_parameters": bm.num_parameters(),
+              "pipetrain_cut": {str(w): ",".join(n) for w, n in cut_names.items()},
+              "stage_first_modules": first,
               "pipetrain_model_spec": bm.pipetrain_spec, "children": len(list(bm.layers)),
               "child_types": [type(c).__name__ for c in bm.layers], "split": args.split,
               "stage_cuts": {str(w): c for w, c in cuts.items()},
               **({"child_times_s": times} if times else {})}
-    facts = ModelFacts(bm.pipetrain_spec, cuts, predicted, report)
+    facts = ModelFacts(bm.pipetrain_spec, cuts, predicted, report, cut_names)
     del bm
     common.release_memory()
     return facts

@@ -164,3 +164,66 @@ def test_split_by_config_is_balanced_and_deterministic() -> None:
     assert p1.config == "2-1"
     linears = [sum(1 for n in s.nodes if cm.graph[n].op.startswith("Linear")) for s in p1.stages]
     assert linears == [4, 4]
+
+
+def test_split_at_cuts_by_module_and_node_name() -> None:
+    from pipetrain.runtime.stage import split_at_cuts, stage_first_nodes
+
+    bundle = get_model("gpt", **TINY_OPTIONS.get("gpt", {}))
+    captured = capture(bundle.model, bundle.example_inputs)
+    plan = split_at_cuts(captured, ["blocks.1"], [1, 1])
+    inputs = [n.name for n in captured.graph.nodes if n.is_input]
+    first = stage_first_nodes(plan, inputs)
+    assert first[0] == "wte" and first[1].startswith("blocks_1_")
+    # every node of stage 0 precedes block 1, every node of stage 1 is block 1 or later
+    assert not any(n.startswith("blocks_1_") for n in plan.stages[0].nodes)
+    assert sum(len(s.nodes) for s in plan.stages) == len(list(captured.graph.nodes))
+    same = split_at_cuts(captured, [first[1]], [1, 1])  # by node name: the same plan
+    assert [s.nodes for s in same.stages] == [s.nodes for s in plan.stages]
+    out, _, _ = run_chain(captured, stage_nodes_of_plan(plan), bundle.example_inputs)
+    with torch.no_grad():
+        ref = bundle.model(*bundle.example_inputs)
+    torch.testing.assert_close(out, ref)
+    with pytest.raises(RuntimeConfigError, match="names no node or module"):
+        split_at_cuts(captured, ["blocks.99"], [1, 1])
+    with pytest.raises(RuntimeConfigError, match="model order"):
+        split_at_cuts(captured, ["blocks.1", "wte"], [1, 1, 1])
+    with pytest.raises(RuntimeConfigError, match="one cut name fewer"):
+        split_at_cuts(captured, ["blocks.1"], [1, 1, 1])
+
+
+def test_fused_linear_accumulates_like_autograd() -> None:
+    from pipetrain.runtime.fused import AccumulatingLinear, GradSink, install
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 3, bias=False))
+    gm = torch.fx.symbolic_trace(model)
+    ref = torch.fx.symbolic_trace(nn.Sequential(*[m for m in model]))
+    xs = [torch.randn(4, 2, 6) for _ in range(3)]
+    expected = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
+    for x in xs:  # plain autograd, summed over the units
+        gs = torch.autograd.grad(ref(x).square().sum(), list(model.parameters()))
+        for (n, _), g in zip(model.named_parameters(), gs):
+            expected[n] += g
+    sink = GradSink()
+    fed = install(gm, {n for n, _ in model.named_parameters()}, sink)
+    assert sorted(fed) == ["0.bias", "0.weight", "2.weight"]
+    assert isinstance(gm.get_submodule("0"), AccumulatingLinear)
+    sink.buffers = {n: torch.full_like(p, 7.0) for n, p in model.named_parameters()}  # overwritten by unit 1
+    for x in xs:
+        gs = torch.autograd.grad(gm(x).square().sum(), list(model.parameters()), allow_unused=True)
+        assert all(g is None for g in gs)  # autograd returns nothing: the sink has it
+    for n in fed:
+        torch.testing.assert_close(sink.buffers[n], expected[n], rtol=1e-5, atol=1e-5)
+
+
+def test_cut_option_is_checked_against_config_and_plan() -> None:
+    from pipetrain.runtime.config import TrainConfig
+
+    assert TrainConfig(cut="blocks.4", config="2-1").cut == "blocks.4"
+    with pytest.raises(RuntimeConfigError, match="makes 2 stages but --config 1-1-1 has 3"):
+        TrainConfig(cut="blocks.4", config="1-1-1")
+    with pytest.raises(RuntimeConfigError, match="not both"):
+        TrainConfig(cut="blocks.4", plan="p.json")
+    with pytest.raises(RuntimeConfigError, match="--cut takes"):
+        TrainConfig(cut="a,,b")

@@ -23,7 +23,7 @@ from typing import Any
 import common
 
 # JSON keys of the CLI that are copied into the benchmark output when present.
-_PASSTHROUGH = re.compile(r"mem|rss|predict|stash|version|warmup|seconds|final_loss|steps|plan|config|stage|bytes")
+_PASSTHROUGH = re.compile(r"mem|rss|predict|stash|version|warmup|seconds|steady|final_loss|steps|plan|config|stage|bytes")
 
 
 @dataclass
@@ -85,7 +85,7 @@ def parse_json_output(stdout: str) -> dict[str, Any] | None:
 
 def command(info: CliInfo, model_spec: str, schedule: str, workers: int, config: str | None,
             batch_size: int, microbatches: int, steps: int, warmup: int, seed: int,
-            timeout_s: float | None = None) -> tuple[list[str], bool]:
+            timeout_s: float | None = None, cut: list[str] | None = None) -> tuple[list[str], bool]:
     """The ``pipetrain train`` command line, and whether its figure includes the warm-up."""
     has_warmup = "--warmup-steps" in info.flags
     cmd = [info.path, "train", "--model", model_spec, "--workers", str(workers),
@@ -94,6 +94,8 @@ def command(info: CliInfo, model_spec: str, schedule: str, workers: int, config:
            "--steps", str(steps if has_warmup else steps + warmup), "--json"]
     if config and "--config" in info.flags:
         cmd += ["--config", config]
+    if cut and "--cut" in info.flags:  # the harness's cut, so every configuration trains the same stages
+        cmd += ["--cut", ",".join(cut)]
     if has_warmup:
         cmd += ["--warmup-steps", str(warmup)]
     if "--seed" in info.flags:
@@ -126,12 +128,12 @@ def _per_worker_memory(obj: dict[str, Any]) -> list[float]:
 
 def run_pipetrain(info: CliInfo, model_spec: str, schedule: str, workers: int, config: str | None,
                   batch_size: int, microbatches: int, steps: int, warmup: int, seed: int,
-                  timeout_s: float) -> common.Measurement:
+                  timeout_s: float, cut: list[str] | None = None) -> common.Measurement:
     """One ``pipetrain train`` run: its samples/s, or why there is none."""
     if not info.available:
         return common.Measurement(None, "unavailable", info.reason)
     cmd, includes_warmup = command(info, model_spec, schedule, workers, config, batch_size,
-                                   microbatches, steps, warmup, seed, timeout_s)
+                                   microbatches, steps, warmup, seed, timeout_s, cut)
     (res,) = common.run_group([cmd], timeout_s)
     obj = parse_json_output(res.stdout)
     if res.returncode != 0 or obj is None:
@@ -145,6 +147,7 @@ def run_pipetrain(info: CliInfo, model_spec: str, schedule: str, workers: int, c
     mem = _per_worker_memory(obj)
     extra = {k: v for k, v in obj.items()
              if _PASSTHROUGH.search(k) and k not in ("samples_per_second", "warmup_losses")}
-    extra.update(includes_warmup=includes_warmup, command=" ".join(cmd),
+    extra.update(includes_warmup=includes_warmup, command=" ".join(cmd), cut=cut,
+                 peak_scope=obj.get("peak_rss_scope", "process"),
                  memory_source="pipetrain JSON" if mem else "sampled VmHWM of every process of the launch (launcher + workers)")
     return common.Measurement(float(sps), "ok", "", mem or res.tree_peaks_mib, extra)

@@ -6,6 +6,12 @@ minibatch along dimension 0 into ``m`` chunks), then runs ``ScheduleGPipe`` (all
 then all backwards) or ``Schedule1F1B`` (one forward, one backward in steady state) with the
 loss on the last stage. Gradients are scaled by 1/m (``scale_grads``), so the SGD step
 after ``schedule.step`` uses the full batch's mean gradient, like ``single``.
+
+``loss_fn`` goes to every rank's schedule (torch 2.13 sets ``has_backward`` from it: without
+it stage 0 skips its backwards, which earlier versions of this harness did by mistake, so
+stage 0 never trained and the PyTorch figures were too high); the stage's shapes are
+inferred from the first microbatch. The worker checks after the timed steps that every
+rank's weights moved (``trained``).
 """
 from __future__ import annotations
 
@@ -29,19 +35,20 @@ def run_torch_pipe(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any
     mb_acts = stage_activations(stages, tuple(a[: bm.batch_size // m] for a in inputs))
     mod = stages[rank]
     is_first, is_last = rank == 0, rank == world - 1
-    static = True
-    try:
-        stage = PipelineStage(mod, rank, world, torch.device("cpu"),
-                              input_args=mb_acts[rank], output_args=mb_acts[rank + 1])
-    except Exception:  # shape inference from the first microbatch instead
-        static = False
-        stage = PipelineStage(mod, rank, world, torch.device("cpu"))
+    # Shapes (and which inputs need a gradient) are inferred from the first microbatch: with
+    # static example args computed without grad, stage 1's input is taken as not needing a
+    # gradient and stage 0 receives none.
+    static = False
+    stage = PipelineStage(mod, rank, world, torch.device("cpu"))
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[spec["schedule"]]
-    sched = cls(stage, n_microbatches=m, loss_fn=bm.loss_fn if is_last else None)
+    # loss_fn on every rank: a schedule built without one sets has_backward = False, and a
+    # first stage built that way runs forwards only (no weight gradients: it never trains).
+    sched = cls(stage, n_microbatches=m, loss_fn=bm.loss_fn)
     opt = torch.optim.SGD(mod.parameters(), lr=LR)
     if not is_first:
         inputs = ()  # only stage 0 reads the minibatch
     del stages, mb_acts
+    before = [p.detach().clone() for p in mod.parameters()][:1]  # taken before the peak reset
     mem = begin_training_phase(bm)
     last: list[float] = [float("nan")]
 
@@ -58,4 +65,6 @@ def run_torch_pipe(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any
         opt.step()
 
     elapsed, times = common.timed_loop(step, spec["warmup"], spec["steps"], sync=barrier)
-    return {"elapsed_s": elapsed, "step_times": times, "loss": last[0], "static_stage": static, **mem}
+    trained = bool(before) and not torch.equal(before[0], next(iter(mod.parameters())).detach())
+    return {"elapsed_s": elapsed, "step_times": times, "loss": last[0], "static_stage": static,
+            "trained": trained, **mem}

@@ -36,6 +36,10 @@ def register(subparsers: Any) -> None:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--plan", help="plan JSON written by `pipetrain plan --output`")
     g.add_argument("--config", help="replicas per stage, e.g. 2-1-1 (stages cut by balanced estimated compute)")
+    p.add_argument("--cut", metavar="NAME[,NAME...]",
+                   help="where stages 1, 2, ... begin: a node name or a module name of the captured model (e.g. "
+                        "blocks.4, or 16 for child 16 of an nn.Sequential); with --config for replicas, else one "
+                        "worker per stage")
     p.add_argument("--schedule", default="pipedream", help=f"one of {', '.join(SCHEDULES)} (default: pipedream)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per minibatch (default: the model's)")
     p.add_argument("--microbatches", type=int, default=None,
@@ -67,6 +71,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object with the run's figures at the end")
     p.add_argument("--no-malloc-tuning", action="store_true",
                    help="leave glibc's malloc thresholds alone (by default freed memory is kept for reuse)")
+    p.add_argument("--no-fused-grads", action="store_true",
+                   help="accumulate Linear weight gradients through autograd (by default the backward's GEMM "
+                        "adds them into the accumulator in place)")
     p.add_argument("--lookahead", type=int, default=8, help=argparse.SUPPRESS)
     p.add_argument("--debug-fail", default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=run)
@@ -86,14 +93,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     opt = OptimizerConfig(name=args.optimizer, lr=args.lr, momentum=args.momentum, nesterov=args.nesterov,
                           weight_decay=args.weight_decay, betas=(betas[0], betas[1]), eps=args.eps)
     return TrainConfig(
-        model=args.model, model_options=options, workers=args.workers, plan=args.plan, config=args.config,
+        model=args.model, model_options=options, workers=args.workers, plan=args.plan, config=args.config, cut=args.cut,
         schedule=args.schedule, batch_size=args.batch_size, microbatches=args.microbatches, steps=args.steps,
         warmup_steps=args.warmup_steps, optimizer=opt, lr_schedule=args.lr_schedule,
         clip_grad_norm=args.clip_grad_norm, seed=args.seed, vertical_sync=args.vertical_sync,
         virtual_stages=args.virtual_stages, device=args.device, save=args.save, resume=args.resume,
         trace=args.trace, log_every=args.log_every, timeout=args.timeout,
         threads=args.threads if args.threads else None, lookahead=args.lookahead, debug_fail=args.debug_fail,
-        log_to_stderr=args.json, tune_malloc=not args.no_malloc_tuning)
+        log_to_stderr=args.json, tune_malloc=not args.no_malloc_tuning,
+        fused_grads=not args.no_fused_grads)
 
 
 def run(args: argparse.Namespace) -> int:

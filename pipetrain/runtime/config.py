@@ -131,6 +131,7 @@ class TrainConfig:
     workers: int | None = None                          # processes (ranks); None: from the plan/config, else 1
     plan: str | None = None                             # plan JSON (pipetrain plan --output)
     config: str | None = None                           # replicas per stage, e.g. "2-1-1"
+    cut: str | None = None                              # where stages 1.. begin: "NAME[,NAME...]" (node or module)
     schedule: str = "pipedream"                         # see SCHEDULES
     batch_size: int | None = None                       # samples per minibatch (None: model default)
     microbatches: int | None = None                     # units per minibatch (None: 1 for pipedream, else workers)
@@ -151,6 +152,7 @@ class TrainConfig:
     threads: int | None = 1                             # torch threads per worker on CPU (None: torch default)
     lookahead: int = 8                                  # actions ahead to post receives for
     tune_malloc: bool = True                            # keep freed pages (glibc mallopt), see worker.tune_malloc
+    fused_grads: bool = True                            # Linear weight grads accumulated in the GEMM (fused.py)
     quiet: bool = False                                 # no progress lines
     log_to_stderr: bool = False                         # progress lines on stderr (--json keeps stdout clean)
     debug_fail: str | None = None                       # hidden: "RANK:STEP" makes RANK raise at STEP
@@ -186,6 +188,19 @@ class TrainConfig:
             raise RuntimeConfigError("give either --plan or --config, not both")
         if self.config is not None:
             parse_config(self.config)
+        if self.cut is not None:
+            cuts = parse_cut(self.cut)
+            if self.plan is not None:
+                raise RuntimeConfigError("--cut fixes the stages itself: give --cut or --plan, not both")
+            if self.schedule == "dp":
+                raise RuntimeConfigError("--cut splits a model into pipeline stages; the dp schedule has one stage")
+            if self.config is not None:
+                reps = parse_config(self.config)
+                stages = len(reps) * (self.virtual_stages if self.schedule == "interleaved" else 1)
+                if stages != len(cuts) + 1:
+                    raise RuntimeConfigError(
+                        f"--cut {self.cut} makes {len(cuts) + 1} stages but --config {self.config} has {stages}; "
+                        f"give one cut name fewer than the stages")
         if self.vertical_sync and self.schedule != "pipedream":
             raise RuntimeConfigError(
                 f"--vertical-sync applies to the pipedream schedule only (got --schedule {self.schedule})")
@@ -244,6 +259,16 @@ def parse_config(text: str) -> list[int]:
         raise RuntimeConfigError(
             f"--config must list replicas per stage joined by '-', each >= 1 (e.g. 2-1-1), got {text!r}")
     return reps
+
+
+def parse_cut(text: str) -> list[str]:
+    """``--cut blocks.4`` / ``--cut _16,_24`` -> the names where stages 1, 2, ... begin."""
+    names = [x.strip() for x in str(text).split(",")]
+    if not names or any(not n for n in names):
+        raise RuntimeConfigError(
+            f"--cut takes node or module names joined by ',' (where stages 1, 2, ... begin, e.g. blocks.4), "
+            f"got {text!r}")
+    return names
 
 
 def parse_debug_fail(text: str) -> tuple[int, int, str]:

@@ -36,6 +36,7 @@ from ..schedule.action import COMPUTE_OPS, Action, Op
 from .comm import Comm
 from .config import LRSchedule
 from .data import UnitData
+from .fused import GradSink, install
 from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
 from .stage import StageModule
 from .versions import WeightVersions, version_last_use
@@ -56,7 +57,7 @@ class StageRuntime:
     """Everything a worker keeps for one of its stages: module, versions, optimizer, gradients."""
 
     def __init__(self, stage: StageModule, optimizer: FunctionalOptimizer, replicas: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fuse_linear: bool = False) -> None:
         self.stage = stage
         self.index = stage.index
         self.replicas = replicas
@@ -80,7 +81,11 @@ class StageRuntime:
         # the last element of each carries the unit count).
         self.flats: dict[torch.dtype, Tensor] = {}
         self.views: dict[str, Tensor] = {}
-        self._touched: set[str] = set()
+        # Linear layers write their weight gradients straight into the accumulators
+        # (fused.py); the sink's "touched" set is the group's, shared with the flat views.
+        self.sink = GradSink()
+        self._touched: set[str] = self.sink.touched
+        self.fused: set[str] = set(install(mod, set(self.trainable), self.sink)) if fuse_linear else set()
         self.pending: list[Any] = []
         self.ready_grads: dict[str, Tensor | None] | None = None
         if replicas > 1:
@@ -96,15 +101,20 @@ class StageRuntime:
                     self.views[n] = flat[off:off + k].view_as(initial[n])
                     off += k
                 self.flats[dt] = flat
+        for n in self.fused:
+            self.sink.buffers[n] = self.views[n] if self.views else torch.zeros_like(initial[n])
 
     # -- gradient accumulation ------------------------------------------------------------
     def accumulate(self, grads: Sequence[Tensor | None]) -> None:
         """Add one unit's weight gradients (aligned with :attr:`trainable`) to the group."""
         self.acc_count += 1
+        fused = self.fused
         for n, g in zip(self.trainable, grads):
             if g is None:
                 continue
-            if self.views:
+            if n in fused:  # the backward already added the Linear's part; add any other part
+                self.sink.add(n, g)
+            elif self.views:
                 v = self.views[n]
                 if n in self._touched:
                     v.add_(g)
@@ -145,7 +155,8 @@ class StageRuntime:
             count = float(self.acc_count)
             if count <= 0:
                 raise RuntimeError(f"stage {self.index}: STEP with no accumulated units")
-            grads = {n: self._acc.get(n) for n in self.trainable}
+            grads = {n: ((self.sink.buffers[n] if n in self._touched else None) if n in self.fused
+                         else self._acc.get(n)) for n in self.trainable}
             if count != 1:
                 for g in grads.values():
                     if g is not None:
@@ -153,7 +164,7 @@ class StageRuntime:
         return grads
 
     def apply(self, grads: dict[str, Tensor | None], base_lr: float, schedule: LRSchedule,
-              clip: float | None = None, coef: float | None = None) -> None:
+              clip: float | None = None, coef: float | None = None, position: int | None = None) -> None:
         """Optimizer step on the newest version -> a new version; resets the group."""
         if coef is None and clip is not None:  # per-stage clipping (asynchronous schedules)
             coef = clip_coefficient(math.sqrt(sum_of_squares(grads.values())), clip)
@@ -162,10 +173,15 @@ class StageRuntime:
                 if g is not None:
                     g.mul_(coef)
         lr = schedule.lr(base_lr, self.optimizer.steps, self.lr_total)
-        new = self.optimizer.apply(self.versions.latest, grads, lr, out=self.versions.spare())
-        self.versions.push(new)
+        # In place when no later action of this segment uses the newest version (flushed
+        # schedules, the last stage of 1F1B): torch.optim's update, one version held. Else
+        # out of place (weight stashing), into the tensors of a dropped version if any.
+        in_place = position is not None and self.versions.unused_after(position)
+        out = self.versions.latest if in_place else self.versions.spare()
+        new = self.optimizer.apply(self.versions.latest, grads, lr, out=out)
+        self.versions.push(new, replace=in_place)
         self._acc = {}
-        self._touched = set()
+        self._touched.clear()
         self.acc_count = 0
 
 
@@ -220,6 +236,7 @@ class Executor:
         self.log = log
         self.lr_totals = lr_totals
         self.events: list[TimedEvent] = []
+        self.step_ends: dict[int, list[float]] = {}  # stage -> end of each STEP (s since t0)
         self.losses: dict[int, Tensor] = {}  # unit -> loss (last stage)
         self._units: dict[tuple[int, int], _Unit] = {}
         self._inbox: dict[tuple[int, int, int], tuple[list[Tensor], Action]] = {}
@@ -262,6 +279,8 @@ class Executor:
             self.handlers[a.op](a)
             if record:
                 self.events.append(TimedEvent(a, t - self.t0, time.perf_counter() - self.t0))
+            if a.op is Op.STEP:
+                self.step_ends.setdefault(a.stage, []).append(time.perf_counter() - self.t0)
             if a.op in COMPUTE_OPS or a.op is Op.STEP:
                 self.stages[a.stage].versions.release(i)
         if self._units or self._inbox or self._outbox:
@@ -437,7 +456,7 @@ class Executor:
                 f"{st.versions.newest}; STEP k must follow STEP k-1")
         grads = st.mean_gradients()
         if not self.global_clip:
-            st.apply(grads, self.base_lr, self.lr_schedule, clip=self.clip)
+            st.apply(grads, self.base_lr, self.lr_schedule, clip=self.clip, position=self._pos)
         else:
             # Global norm (synchronous schedules): once every local stage has its step-k
             # gradient, one all-reduce over ranks; each replica adds sumsq / replicas.
@@ -447,7 +466,7 @@ class Executor:
                 total = math.sqrt(max(0.0, self.comm.sum_over_ranks(local)))
                 coef = clip_coefficient(total, self.clip)  # type: ignore[arg-type]
                 for s, g in self._deferred:
-                    s.apply(g, self.base_lr, self.lr_schedule, coef=coef)
+                    s.apply(g, self.base_lr, self.lr_schedule, coef=coef, position=self._pos)
                 self._deferred = []
         if self.log is not None and st.stage.is_last:
             self._log_step(a)

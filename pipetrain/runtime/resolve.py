@@ -15,8 +15,8 @@ from ..errors import PipetrainError, RuntimeConfigError
 from ..graph.capture import CapturedModel
 from ..plan.types import Plan, Stage, Topology
 from ..schedule.action import Schedule
-from .config import TrainConfig, parse_config
-from .stage import split_by_config
+from .config import TrainConfig, parse_config, parse_cut
+from .stage import split_at_cuts, split_by_config
 
 __all__ = [
     "resolve_batch_size", "load_bundle", "resolve_plan", "schedule_replicas", "expected_workers",
@@ -68,6 +68,9 @@ def config_workers(cfg: TrainConfig) -> int | None:
     if cfg.plan is not None:
         plan = Plan.load(cfg.plan)
         return plan.num_stages // cfg.virtual_stages if _interleaved(cfg) else plan.num_workers
+    if cfg.cut is not None:
+        stages = len(parse_cut(cfg.cut)) + 1
+        return stages // cfg.virtual_stages if _interleaved(cfg) else stages
     return None
 
 
@@ -95,6 +98,13 @@ def resolve_plan(cfg: TrainConfig, captured: CapturedModel, bundle: Any, batch_s
     if cfg.plan is not None:
         plan = Plan.load(cfg.plan)
         note = f"plan file {cfg.plan}"
+    elif cfg.cut is not None:
+        cuts = parse_cut(cfg.cut)
+        reps = parse_config(cfg.config) if cfg.config is not None else [1] * (len(cuts) + 1)
+        if _interleaved(cfg) and cfg.config is not None:
+            reps = [1] * (len(reps) * cfg.virtual_stages)
+        plan = split_at_cuts(captured, cuts, reps, name, batch_size)
+        note = f"--cut {cfg.cut}" + (f" with --config {cfg.config}" if cfg.config is not None else "")
     elif cfg.config is not None:
         reps = parse_config(cfg.config)
         if _interleaved(cfg):

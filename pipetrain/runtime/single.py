@@ -52,6 +52,11 @@ def train_one_process(cfg: TrainConfig) -> dict[str, Any]:
         start = trainer.step
     total = cfg.warmup_steps + cfg.steps
     data = UnitData(bundle.make_batch, batch_size, 1, cfg.seed, start, device)
+    data.prefetch(total)  # data generation stays out of the timed window
+    from .worker import _proc_status_mib, reset_peak_rss
+
+    peak_reset = reset_peak_rss()
+    rss_setup = _proc_status_mib("VmRSS")
     res = train_single_process(model, bundle.loss_fn, data, total, cfg.optimizer, cfg.lr_schedule,
                                cfg.clip_grad_norm, optimizer=optimizer, start_step=start,
                                lr_total=start + total, warmup_steps=cfg.warmup_steps)
@@ -67,7 +72,11 @@ def train_one_process(cfg: TrainConfig) -> dict[str, Any]:
         "workers": 1, "batch_size": batch_size, "microbatches": 1, "seconds": res.seconds,
         "warmup_steps": cfg.warmup_steps, "warmup_losses": res.losses[:cfg.warmup_steps], "start_step": start,
         "plan_source": "one process (plain training with torch.optim)", "stages": 1, "device": str(device),
-        "peak_rss_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
+        "peak_rss_mib": [(_proc_status_mib("VmHWM") if peak_reset else None)
+                         or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
+        "peak_rss_scope": "training" if peak_reset else "process",
+        "rss_setup_mib": [rss_setup], "rss_end_mib": [_proc_status_mib("VmRSS")],
+        "peak_rss_life_mib": [resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0],
     }
     if cfg.save is not None:
         steps_done = start + total

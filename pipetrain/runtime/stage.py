@@ -36,7 +36,7 @@ from .boundary import BoundaryCodec, ValueCodec
 
 __all__ = [
     "Partition", "StageModule", "partition_graph", "build_stage_modules", "split_by_config",
-    "estimate_node_costs", "stage_nodes_of_plan",
+    "estimate_node_costs", "stage_nodes_of_plan", "split_at_cuts", "node_modules", "stage_first_nodes",
 ]
 
 _VALUE_OPS = ("placeholder", "call_module", "call_function", "call_method")
@@ -430,3 +430,71 @@ def split_by_config(captured: CapturedModel, replicas: Sequence[int], model: str
     est = [sum(costs[n] for n in compute[bounds[k]:bounds[k + 1]]) for k in range(len(reps))]
     return Plan(stages=stages, model=model, batch_size=batch_size, cost_model="estimated multiply-adds",
                 extra={"source": "split_by_config", "estimated_stage_costs": est})
+
+
+def node_modules(node: torch.fx.Node) -> list[str]:
+    """Qualified names of the modules a captured node belongs to (outermost first).
+
+    From fx's ``nn_module_stack`` metadata, plus the target of a ``call_module`` node.
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    names = [v[0] if isinstance(v, tuple) else str(v) for v in stack.values()]
+    if node.op == "call_module" and str(node.target) not in names:
+        names.append(str(node.target))
+    return names
+
+
+def _matches(node: torch.fx.Node, cut: str) -> bool:
+    if node.name == cut:
+        return True
+    return any(q == cut or q.startswith(cut + ".") for q in node_modules(node))
+
+
+def split_at_cuts(captured: CapturedModel, cuts: Sequence[str], replicas: Sequence[int], model: str = "",
+                  batch_size: int | None = None) -> Plan:
+    """A plan whose stage ``k+1`` begins at the first node named ``cuts[k]``, or belonging to
+    the module ``cuts[k]`` (``blocks.4``: the first node of that block; ``16``: child 16 of an
+    ``nn.Sequential``), in graph order. Input nodes go to stage 0.
+
+    This is how a run is told the cut (``pipetrain train --cut``), e.g. to train on exactly
+    the split another framework uses.
+    """
+    reps = [int(r) for r in replicas]
+    if len(reps) != len(cuts) + 1:
+        raise RuntimeConfigError(
+            f"{len(cuts)} cut names make {len(cuts) + 1} stages but the configuration has {len(reps)}; "
+            f"give one cut name fewer than the stages")
+    fx_nodes = {n.name: n for n in captured.gm.graph.nodes}
+    compute = [n.name for n in captured.graph.nodes if not n.is_input]
+    inputs = [n.name for n in captured.graph.nodes if n.is_input]
+    bounds = [0]
+    for cut in cuts:
+        pos = next((i for i, name in enumerate(compute)
+                    if name in fx_nodes and _matches(fx_nodes[name], cut)), None)
+        if pos is None:
+            mods = sorted({m for n in compute if n in fx_nodes for m in node_modules(fx_nodes[n])}, key=len)[:6]
+            raise RuntimeConfigError(
+                f"--cut {cut!r} names no node or module of the captured model; use a node name (e.g. "
+                f"{compute[min(1, len(compute) - 1)]!r}) or a module name (e.g. {', '.join(repr(m) for m in mods)})")
+        if pos <= bounds[-1]:
+            raise RuntimeConfigError(
+                f"--cut {','.join(cuts)}: {cut!r} (node {compute[pos]!r}) does not come after the previous stage's "
+                f"first node; list cuts in model order, each leaving every stage at least one node")
+        bounds.append(pos)
+    bounds.append(len(compute))
+    stages = []
+    for k, r in enumerate(reps):
+        nodes = compute[bounds[k]:bounds[k + 1]]
+        stages.append(Stage(nodes=(inputs + nodes) if k == 0 else nodes, replicas=r))
+    return Plan(stages=stages, model=model, batch_size=batch_size, cost_model="explicit cut",
+                extra={"source": "split_at_cuts", "cuts": list(cuts)})
+
+
+def stage_first_nodes(plan: Plan, input_names: Sequence[str] = ()) -> list[str]:
+    """The first non-input node of each stage of a plan (what a cut is reported as)."""
+    skip = set(input_names)
+    out = []
+    for s in plan.stages:
+        first = next((n for n in s.nodes if n not in skip), s.nodes[0] if s.nodes else "")
+        out.append(first)
+    return out

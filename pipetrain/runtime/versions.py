@@ -97,8 +97,19 @@ class WeightVersions:
                 return None
         return spare
 
-    def push(self, tensors: Mapping[str, Tensor]) -> int:
-        """Add the next version (made from the newest by an optimizer step); returns its index."""
+    def unused_after(self, position: int) -> bool:
+        """Whether no action after ``position`` uses the newest version: an update may then
+        overwrite it in place (its forwards' graphs are gone with their backwards)."""
+        return self._last_use.get(self.newest, -1) <= position
+
+    def push(self, tensors: Mapping[str, Tensor], replace: bool = False) -> int:
+        """Add the next version (made from the newest by an optimizer step); returns its index.
+
+        ``replace``: the update was made in place, so the newest version is dropped (it is
+        the same memory) and only one version is held.
+        """
+        if replace:
+            self._versions.pop(self.newest, None)
         self.newest += 1
         self._versions[self.newest] = dict(tensors)
         self._track(self.newest)
