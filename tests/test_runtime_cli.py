@@ -118,3 +118,188 @@ def test_runs_as_workers_under_torchrun_on_two_nodes() -> None:
     assert len(printed) == 1
     res = printed[0]
     assert res["workers"] == 2 and res["schedule"] == "2bw" and len(res["losses"]) == 3
+
+
+# --------------------------------------------------------------------------- checks before launch
+# Factories for --model test_runtime_cli:NAME (pytest puts tests/ on sys.path).
+
+def _tiny_mlp() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+
+
+def int_batch(batch_size: int = 4):  # make_batch disagrees with the example batch (int64 vs float32)
+    from pipetrain.models import ModelBundle, mse_loss
+
+    def make(n: int, g: torch.Generator):
+        return (torch.randint(0, 3, (n, 4), generator=g),), torch.randn(n, 3, generator=g)
+
+    return ModelBundle(model=_tiny_mlp(), example_inputs=(torch.randn(batch_size, 4),), loss_fn=mse_loss,
+                       make_batch=make, name="int_batch")
+
+
+def bad_target(batch_size: int = 4):  # the loss cannot take make_batch's target
+    from pipetrain.models import ModelBundle, mse_loss
+
+    def make(n: int, g: torch.Generator):
+        return (torch.randn(n, 4, generator=g),), torch.randn(n, 7, generator=g)
+
+    return ModelBundle(model=_tiny_mlp(), example_inputs=(torch.randn(batch_size, 4),), loss_fn=mse_loss,
+                       make_batch=make, name="bad_target")
+
+
+def frozen(batch_size: int = 4):  # nothing to train
+    m = _tiny_mlp()
+    for p in m.parameters():
+        p.requires_grad_(False)
+    return m, torch.randn(batch_size, 4)
+
+
+SMALL = ["--model", "mlp", "--option", "depth=2", "--option", "width=8", "--option", "in_features=4",
+         "--option", "num_classes=3", "--batch-size", "4", "--steps", "2"]
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail the test if a worker process would be started: these errors are found before."""
+    import pipetrain.runtime.launch as launch
+
+    def refuse(*a: object, **k: object) -> None:
+        raise AssertionError("workers were launched for an error the launcher can find itself")
+
+    monkeypatch.setattr(launch, "launch_local", refuse)
+    monkeypatch.setattr("pipetrain.runtime.single.train_one_process", refuse)
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> str:
+    import re
+
+    rc = main(["train", *argv])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2, err
+    assert "Traceback" not in err and len(err.splitlines()) == 1, err
+    assert err.startswith("error: ") and re.search(message, err), err
+    return err
+
+
+@pytest.mark.parametrize("extra, message", [
+    # more stages than layers: the most workers, and replication as the alternative
+    (["--workers", "64"], r"--workers 64 needs 64 pipeline stages .* model mlp has only 5 layers; use at most "
+                          r"--workers 5, or replicate stages with --config \(e\.g\. --config 60-1-1-1-1\)"),
+    (["--workers", "2", "--schedule", "interleaved", "--virtual-stages", "3"],
+     r"needs 6 stages but model mlp has only 5 layers; use at most --workers 1"),
+    (["--config", "3", "--workers", "3"],
+     r"--steps must be a multiple of every replica count of --config 3: got --steps 2; use --steps 3"),
+    (["--workers", "2", "--cut", "nosuch"], r"--cut 'nosuch' names no node or module of the captured model"),
+    (["--workers", "2", "--schedule", "flush", "--microbatches", "3"],
+     r"batch size 4 is not divisible by microbatches 3: .*use --microbatches 2 or --batch-size 6"),
+    (["--workers", "2", "--schedule", "pipedream", "--virtual-stages", "2"],
+     r"--virtual-stages applies to the interleaved schedule only \(got --schedule pipedream\)"),
+])
+def test_pipeline_errors_are_found_before_launch(capsys: pytest.CaptureFixture[str], no_launch: None,
+                                                 extra: list[str], message: str) -> None:
+    _one_line_error(capsys, [*SMALL, *extra], message)
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("int_batch", r"make_batch of model 'test_runtime_cli:int_batch' gives inputs \[2, 4\] int64 .* example batch "
+                  r"is \[2, 4\] float32"),
+    ("bad_target", r"model 'test_runtime_cli:bad_target' fails on a batch from its make_batch .*target \[2, 7\]"),
+    ("frozen", r"model 'test_runtime_cli:frozen' has no trainable parameters"),
+])
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_model_errors_are_found_before_launch(capsys: pytest.CaptureFixture[str], request: pytest.FixtureRequest,
+                                              factory: str, message: str, workers: str) -> None:
+    argv = ["--model", f"test_runtime_cli:{factory}", "--batch-size", "4", "--steps", "2", "--workers", workers,
+            "--schedule", "flush"]
+    if workers == "2":
+        request.getfixturevalue("no_launch")
+    else:  # one worker trains in this process: the check runs there, before training
+        argv = argv + ["--microbatches", "2"]  # same unit size (2) in both parametrizations' messages
+        message = message.replace(r"\[2, 4\]", r"\[4, 4\]").replace(r"\[2, 7\]", r"\[4, 7\]")
+    _one_line_error(capsys, argv, message)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--save", "{dir}"], r"--save .*: '.*' is a directory, but --save writes the checkpoint file"),
+    (["--trace", "{file}"], r"--trace .*: '.*' is an existing file, but --trace takes a directory"),
+    (["--save", "{file}/ck.pt"], r"--save .*/ck\.pt: cannot write into '.*'"),
+    (["--trace", "{file}/tr"], r"--trace .*/tr: cannot write into '.*'"),
+])
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_bad_output_paths_are_rejected_before_training(capsys: pytest.CaptureFixture[str], no_launch: None,
+                                                       tmp_path: Path, extra: list[str], message: str,
+                                                       workers: str) -> None:
+    (tmp_path / "afile.json").write_text("{}")
+    extra = [x.format(dir=tmp_path, file=tmp_path / "afile.json") for x in extra]
+    _one_line_error(capsys, [*SMALL, "--workers", workers, *extra], message)
+
+
+def test_missing_save_directories_are_created(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    ckpt = tmp_path / "new" / "dir" / "ck.pt"
+    assert main(["train", *SMALL, "--workers", "1", "--save", str(ckpt)]) == 0
+    assert ckpt.exists() and Path(str(ckpt) + ".trainer").exists()
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--optimizer", "adam", "--eps", "-1"], r"Adam eps must be a finite number > 0, got -1\.0; pass e\.g\. --eps 1e-8"),
+    (["--optimizer", "adam", "--betas", "2,3"], r"Adam betas must be two numbers in \[0, 1\), got \(2\.0, 3\.0\)"),
+    (["--betas", "0.9"], r"--betas takes two numbers like 0\.9,0\.999, got '0\.9'"),
+    (["--lr", "inf"], r"learning rate must be a finite number in \(0, 1e6\], got inf; pass e\.g\. --lr 0\.01"),
+    (["--lr", "nan"], r"learning rate must be a finite number in \(0, 1e6\], got nan"),
+    (["--lr", "1e300"], r"learning rate must be a finite number in \(0, 1e6\], got 1e\+300"),
+    (["--lr", "0"], r"learning rate must be a finite number in \(0, 1e6\], got 0\.0"),
+    (["--momentum", "1"], r"momentum must be in \[0, 1\), got 1\.0"),
+    (["--momentum", "-0.5"], r"momentum must be in \[0, 1\), got -0\.5"),
+    (["--weight-decay", "-1"], r"weight decay must be a finite number >= 0, got -1\.0"),
+    (["--weight-decay", "inf"], r"weight decay must be a finite number >= 0, got inf"),
+])
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_bad_optimizer_values_are_one_line(capsys: pytest.CaptureFixture[str], no_launch: None, extra: list[str],
+                                           message: str, workers: str) -> None:
+    _one_line_error(capsys, [*SMALL, "--workers", workers, *extra], message)
+
+
+def test_optimizer_config_validates_ranges() -> None:
+    from pipetrain.errors import RuntimeConfigError
+    from pipetrain.runtime.config import OptimizerConfig
+
+    for bad in (dict(lr=float("inf")), dict(lr=-1.0), dict(momentum=1.0), dict(betas=(0.9, 1.0)),
+                dict(betas=(-0.1, 0.9)), dict(eps=0.0), dict(weight_decay=float("nan"))):
+        with pytest.raises(RuntimeConfigError, match="must be"):
+            OptimizerConfig("adam", **bad)
+    OptimizerConfig("adam", lr=1e-3, betas=(0.0, 0.99), eps=1e-12, weight_decay=0.0)  # edges that are valid
+
+
+class _Failure:
+    def __init__(self, message: str, timestamp: int) -> None:
+        self.message, self.timestamp, self.exitcode = message, timestamp, 1
+
+
+def test_launcher_reports_the_originating_failure() -> None:
+    from pipetrain.runtime.launch import _originating_failure, _user_error_names
+
+    # rank 1 reported first, but only that it stopped because rank 0 failed: rank 0 is the cause
+    fails = {1: _Failure("RuntimeError: rank 1 stopped because rank 0 failed: RuntimeConfigError: bad batch", 1),
+             0: _Failure("", 2)}
+    assert _originating_failure(fails) == (0, "RuntimeConfigError: bad batch")
+    # a failure with its own message wins over the ones it brought down
+    fails = {0: _Failure("RuntimeError: rank 0 stopped because rank 2 failed: RuntimeError: boom", 1),
+             2: _Failure("RuntimeError: boom", 2)}
+    assert _originating_failure(fails) == (2, "RuntimeError: boom")
+    assert {"RuntimeConfigError", "ModelError", "PipetrainError"} <= _user_error_names()
+    assert "RuntimeError" not in _user_error_names()
+
+
+def test_user_error_in_a_worker_is_reported_as_the_message_alone() -> None:
+    """A PipetrainError raised inside the workers (here: the launcher's own checks switched
+    off) exits 2 with just its message, like the same error found before launch."""
+    code = ("import sys, pipetrain.runtime.preflight as pf\n"
+            "pf.preflight = lambda *a, **k: None\n"
+            "from pipetrain.cli import main\n"
+            f"sys.exit(main(['train', *{SMALL!r}, '--workers', '2', '--timeout', '30', '--cut', 'nosuch']))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 2, p.stderr
+    err = p.stderr.strip().splitlines()
+    assert err[-1].startswith("error: --cut 'nosuch' names no node or module"), p.stderr
+    assert "Traceback" not in p.stderr and "rank" not in err[-1]

@@ -60,7 +60,7 @@ def register(subparsers: Any) -> None:
                    help="clip gradients to this 2-norm (global for flushed schedules, per stage for pipedream/2bw)")
     p.add_argument("--seed", type=int, default=0, help="seed of model init and data (default 0)")
     p.add_argument("--vertical-sync", action="store_true", help="pipedream: vertical sync of weight versions")
-    p.add_argument("--virtual-stages", type=int, default=2, help="interleaved: model chunks per rank (default 2)")
+    p.add_argument("--virtual-stages", type=int, default=None, help="interleaved: model chunks per rank (default 2)")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (gloo) or cuda (NCCL)")
     p.add_argument("--save", help="write the final model state_dict (and PATH.trainer) to PATH")
     p.add_argument("--resume", help="continue from a checkpoint written by --save")
@@ -84,6 +84,11 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     from ..errors import RuntimeConfigError
 
     options = dict(parse_model_option(o) for o in args.option)
+    schedule = str(args.schedule).lower()
+    if args.virtual_stages is not None and schedule != "interleaved":
+        raise RuntimeConfigError(
+            f"--virtual-stages applies to the interleaved schedule only (got --schedule {args.schedule}); "
+            f"drop --virtual-stages or pass --schedule interleaved")
     try:
         betas = tuple(float(x) for x in str(args.betas).split(","))
     except ValueError:
@@ -97,7 +102,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         schedule=args.schedule, batch_size=args.batch_size, microbatches=args.microbatches, steps=args.steps,
         warmup_steps=args.warmup_steps, optimizer=opt, lr_schedule=args.lr_schedule,
         clip_grad_norm=args.clip_grad_norm, seed=args.seed, vertical_sync=args.vertical_sync,
-        virtual_stages=args.virtual_stages, device=args.device, save=args.save, resume=args.resume,
+        virtual_stages=args.virtual_stages if args.virtual_stages is not None else 2, device=args.device, save=args.save, resume=args.resume,
         trace=args.trace, log_every=args.log_every, timeout=args.timeout,
         threads=args.threads if args.threads else None, lookahead=args.lookahead, debug_fail=args.debug_fail,
         log_to_stderr=args.json, tune_malloc=not args.no_malloc_tuning,
@@ -111,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = train(cfg)
     except WorkerFailure as e:
-        print(f"error: {e}", file=sys.stderr)
+        # A user error in a worker reads as if this process had found it; a crash names the rank.
+        print(f"error: {e.message if e.user_error else e}", file=sys.stderr)
         return 2 if e.user_error else 1
     except PipetrainError:
         raise

@@ -105,12 +105,27 @@ class OptimizerConfig:
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
             raise RuntimeConfigError(f"unknown optimizer {self.name!r}; valid: {', '.join(OPTIMIZERS)}")
-        if not self.lr >= 0:
-            raise RuntimeConfigError(f"learning rate must be >= 0, got {self.lr}; pass e.g. --lr 0.01")
-        if self.momentum < 0 or self.weight_decay < 0:
+        # Each value is checked against the range its update rule is defined on (torch.optim
+        # raises on most of these only at the first step, as a traceback; a non-finite lr
+        # would turn every weight into nan without any error).
+        if not (math.isfinite(self.lr) and 0 < self.lr <= 1e6):
             raise RuntimeConfigError(
-                f"momentum and weight decay must be >= 0 (got momentum={self.momentum}, "
-                f"weight_decay={self.weight_decay})")
+                f"learning rate must be a finite number in (0, 1e6], got {self.lr}; pass e.g. --lr 0.01")
+        if not 0 <= self.momentum < 1:
+            raise RuntimeConfigError(
+                f"momentum must be in [0, 1), got {self.momentum}; pass e.g. --momentum 0.9 (or 0 for none)")
+        if not 0 <= self.dampening <= 1:
+            raise RuntimeConfigError(f"dampening must be in [0, 1], got {self.dampening}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise RuntimeConfigError(
+                f"weight decay must be a finite number >= 0, got {self.weight_decay}; pass e.g. --weight-decay 1e-4 "
+                f"(or 0 for none)")
+        betas = tuple(self.betas) if isinstance(self.betas, (tuple, list)) else ()
+        if len(betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas):
+            raise RuntimeConfigError(
+                f"Adam betas must be two numbers in [0, 1), got {self.betas}; pass e.g. --betas 0.9,0.999")
+        if not (math.isfinite(self.eps) and self.eps > 0):
+            raise RuntimeConfigError(f"Adam eps must be a finite number > 0, got {self.eps}; pass e.g. --eps 1e-8")
         if self.nesterov and (self.momentum <= 0 or self.dampening != 0):
             raise RuntimeConfigError(
                 f"nesterov momentum needs momentum > 0 and zero dampening (got momentum={self.momentum}); "

@@ -80,6 +80,42 @@ def _failure_text(f: Any) -> str:
     return text.splitlines()[0] if text else f"exit code {f.exitcode}"
 
 
+def _user_error_names() -> set[str]:
+    """Class names of every PipetrainError subclass (a worker's error arrives as text)."""
+    names, todo = {"PipetrainError"}, list(PipetrainError.__subclasses__())
+    while todo:
+        c = todo.pop()
+        names.add(c.__name__)
+        todo.extend(c.__subclasses__())
+    return names
+
+
+def _originating_failure(failures: dict[int, Any]) -> tuple[int, str]:
+    """(rank, ``Type: message``) of the failure that started it all.
+
+    A worker whose peer failed first reports ``rank R stopped because rank Q failed: Type:
+    message`` (the first failure recorded in the rendezvous store), so that text names the
+    origin even when rank Q's own record is missing or uninformative (killed, no message).
+    Otherwise the earliest failure with a message of its own is the origin.
+    """
+    fails = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    texts = {r: _failure_text(f) for r, f in fails}
+
+    def informative(t: str) -> bool:
+        return STOPPED_MARK not in t and not t.startswith(("Signal", "exit code"))
+
+    roots = [r for r, t in texts.items() if informative(t)]
+    if roots:
+        return roots[0], texts[roots[0]]
+    for t in texts.values():
+        if STOPPED_MARK in t:
+            origin = t.split(STOPPED_MARK, 1)[1].strip()       # "Q failed: Type: message"
+            q, sep, rest = origin.partition(" failed: ")
+            if sep and q.strip().isdigit():
+                return int(q), rest.strip()
+    return fails[0][0], texts[fails[0][0]]
+
+
 def launch_local(cfgs: Sequence[TrainConfig], workers: int, timeout: float = 120.0) -> list[dict[str, Any]]:
     """Run ``cfgs`` one after the other in ``workers`` fresh local processes (one launch).
 
@@ -101,13 +137,8 @@ def launch_local(cfgs: Sequence[TrainConfig], workers: int, timeout: float = 120
         with _quiet_launcher():
             out = elastic_launch(lc, worker_main)(list(cfgs))
     except ChildFailedError as e:
-        fails = sorted(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-        texts = {r: _failure_text(f) for r, f in fails}
-        roots = [r for r, t in texts.items() if STOPPED_MARK not in t and not t.startswith("Signal")]
-        rank = roots[0] if roots else fails[0][0]
-        text = texts[rank]
-        user_errors = {c.__name__ for c in PipetrainError.__subclasses__()} | {"PipetrainError"}
-        user = text.split(":", 1)[0] in user_errors
+        rank, text = _originating_failure(e.failures)
+        user = text.split(":", 1)[0] in _user_error_names()
         if user:
             text = text.split(": ", 1)[-1]
         raise WorkerFailure(rank, text, user_error=user) from None
@@ -133,15 +164,13 @@ def train(cfg: TrainConfig) -> dict[str, Any]:
         from .resolve import config_workers
 
         workers = config_workers(cfg) or 1
+    from .preflight import preflight
+
+    preflight(cfg, workers)  # everything decidable before any process starts
     if workers == 1:
-        from .resolve import check_workers
         from .single import train_one_process
 
-        check_workers(cfg, 1)
         return train_one_process(cfg)
-    from .resolve import check_workers
-
-    check_workers(cfg, workers)
     from dataclasses import replace
 
     return launch_local([replace(cfg, workers=workers)], workers, cfg.timeout)[0]

@@ -37,6 +37,9 @@ def train_one_process(cfg: TrainConfig) -> dict[str, Any]:
     batch_size = resolve_batch_size(cfg)
     cfg.check_counts(batch_size)
     bundle = load_bundle(cfg, batch_size)
+    from .preflight import check_model_batch
+
+    check_model_batch(cfg, bundle, batch_size)
     model = bundle.model.to(device)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     optimizer = make_torch_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
