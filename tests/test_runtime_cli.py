@@ -106,13 +106,35 @@ def test_runs_as_workers_under_torchrun_on_two_nodes() -> None:
     from pipetrain.runtime.launch import free_port
 
     torchrun = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "torchrun")
-    cmd = [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-           f"127.0.0.1:{free_port()}", "-m", "pipetrain", "train", *TINY, "--config", "1-1", "--schedule", "2bw",
-           "--microbatches", "2", "--batch-size", "8", "--steps", "3", "--json", "--timeout", "30"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-             for _ in range(2)]
-    outs = [p.communicate(timeout=100) for p in procs]
+    def run_once() -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]]] | str:
+        endpoint = f"127.0.0.1:{free_port()}"
+
+        def cmd(is_host: int) -> list[str]:
+            # Both "machines" share this host's address, so say which one hosts the rendezvous
+            # store instead of letting them race to bind the port.
+            return [torchrun, "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", endpoint, "--rdzv-conf", f"is_host={is_host}", "-m", "pipetrain", "train",
+                    *TINY, "--config", "1-1", "--schedule", "2bw", "--microbatches", "2", "--batch-size", "8",
+                    "--steps", "3", "--json", "--timeout", "30"]
+
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        procs = [subprocess.Popen(cmd(is_host), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+                 for is_host in (1, 0)]
+        try:
+            return procs, [p.communicate(timeout=60) for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            return "\n----\n".join(p.communicate()[1][-1500:] for p in procs)
+
+    # stdin is /dev/null: with descriptor 0 closed (as in some CI jobs) the agents' sockets took
+    # it and were inherited by the workers, and the rendezvous stalled (pipetrain's own CLI now
+    # reopens closed standard descriptors; torchrun's does not).
+    result = run_once()
+    if isinstance(result, str):
+        pytest.fail("two torchrun agents did not finish in 60 s:\n" + result)
+    procs, outs = result
     assert [p.returncode for p in procs] == [0, 0], [o[1][-500:] for o in outs]
     printed = [json.loads(o[0]) for o in outs if o[0].strip()]
     assert len(printed) == 1

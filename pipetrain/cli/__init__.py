@@ -32,7 +32,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _reopen_closed_std_fds() -> None:
+    """Give closed standard descriptors /dev/null (CI jobs and daemons may start us without stdin).
+
+    Otherwise the next socket takes descriptor 0 and is inherited as the stdin of every
+    worker process, which made torchrun's rendezvous stall or fail at shutdown.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+
+
 def main(argv: list[str] | None = None) -> int:
+    _reopen_closed_std_fds()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
