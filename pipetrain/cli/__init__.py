@@ -11,6 +11,7 @@ import os
 import sys
 
 from ..errors import PipetrainError
+from ..runtime.launch import reopen_closed_std_fds
 
 SUBCOMMANDS = ["profile", "plan", "simulate", "train"]
 
@@ -32,21 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _reopen_closed_std_fds() -> None:
-    """Give closed standard descriptors /dev/null (CI jobs and daemons may start us without stdin).
-
-    Otherwise the next socket takes descriptor 0 and is inherited as the stdin of every
-    worker process, which made torchrun's rendezvous stall or fail at shutdown.
-    """
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
-
-
 def main(argv: list[str] | None = None) -> int:
-    _reopen_closed_std_fds()
+    reopen_closed_std_fds()  # before any socket: under torchrun too, descriptors pass to workers
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

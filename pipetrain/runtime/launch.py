@@ -116,6 +116,19 @@ def _originating_failure(failures: dict[int, Any]) -> tuple[int, str]:
     return fails[0][0], texts[fails[0][0]]
 
 
+def reopen_closed_std_fds() -> None:
+    """Give closed standard descriptors /dev/null (CI jobs and daemons may start us without stdin).
+
+    Otherwise the launcher's next socket takes descriptor 0 and is inherited as the stdin of
+    every worker process, which made torchrun's rendezvous stall or fail at shutdown.
+    """
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
+
+
 def launch_local(cfgs: Sequence[TrainConfig], workers: int, timeout: float = 120.0) -> list[dict[str, Any]]:
     """Run ``cfgs`` one after the other in ``workers`` fresh local processes (one launch).
 
@@ -127,6 +140,7 @@ def launch_local(cfgs: Sequence[TrainConfig], workers: int, timeout: float = 120
 
     from .worker import worker_main
 
+    reopen_closed_std_fds()
     port = free_port()
     saved_omp = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's default (torch threads are set per worker)
