@@ -1,7 +1,7 @@
 """Solve times of the planner (``pipetrain.plan.plan``), printed as tables.
 
-Run: ``python benchmarks/plan_speed.py [--quick]``. Uses the published profiles in
-``../shared/profiles`` (skipped if absent) and synthetic chains (seeded). Times are wall
+Run: ``python benchmarks/plan_speed.py [--quick]``. Uses the published profiles the tests
+carry (``tests/data/profiles``, MIT, see its NOTICE) and synthetic chains (seeded). Times are wall
 seconds of one ``plan()`` call each (best of ``--repeat``), cost model ``pipedream``.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pipetrain.plan import PlanOptions, parse_topology, plan
 from pipetrain.profile.io import load_profile
 from pipetrain.profile.types import NodeProfile, Profile
 
-PROFILES = Path(__file__).resolve().parents[1] / ".." / "shared" / "profiles"
+PROFILES = Path(__file__).resolve().parents[1] / "tests" / "data" / "profiles"
 
 
 def synthetic_chain(n: int, seed: int = 0) -> Profile:
@@ -52,11 +52,7 @@ def main() -> None:
     cases = [("resnet50", "16", "1.25e9"), ("resnet50", "4,4", "300e9,1.25e9"), ("vgg16", "16", "1.25e9"),
              ("vgg16", "4,4", "300e9,1.25e9"), ("gnmt", "16", "1.25e9"), ("gnmt", "4,4", "300e9,1.25e9")]
     for name, w, b in cases:
-        path = PROFILES / f"{name}.txt"
-        if not path.is_file():
-            print(f"{name:<12} (profile not found at {path})")
-            continue
-        prof = load_profile(path)
+        prof = load_profile(PROFILES / f"{name}.txt")
         secs, p = timed(prof, w, b, args.repeat)
         cfg = p.config if len(p.config) <= 26 else p.config[:23] + "..."
         print(f"{name:<12} {w + ' @ ' + b:<24} {p.extra['states']['count']:>6} {cfg:<26} {secs:>8.3f}")

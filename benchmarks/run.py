@@ -34,8 +34,11 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import common
 from baselines import pipetrain_cli
+from bench_models import BATCH_SIZES, balanced_cuts, build_bench_model, child_times, split_point
+from processes import free_port, run_group
+from rss import release_memory
+from timing import Measurement, median_or_none
 
 
 @dataclass(frozen=True)
@@ -79,17 +82,17 @@ def log(msg: str) -> None:
 
 # --------------------------------------------------------------------------- measuring
 def measure_harness(cfg: Config, model: str, args: argparse.Namespace,
-                    cuts: list[int] | None, source: str | None) -> common.Measurement:
+                    cuts: list[int] | None) -> Measurement:
     """Launch the ``cfg.world`` harness workers of ``cfg`` at once and combine their results."""
     steps = args.steps_for[model]
     for attempt in range(2):  # a second try only when the port was taken in between
-        port = common.free_port()
+        port = free_port()
         specs = [dict(kind=cfg.kind, model=model, rank=r, world=cfg.world, port=port,
-                      steps=steps, warmup=args.warmup, seed=args.seed, cuts=cuts, source=source,
+                      steps=steps, warmup=args.warmup, seed=args.seed, cuts=cuts,
                       schedule=cfg.schedule, microbatches=cfg.microbatches,
                       timeout_s=args.timeout) for r in range(cfg.world)]
         cmds = [[sys.executable, os.path.abspath(__file__), "_worker", json.dumps(s)] for s in specs]
-        results = common.run_group(cmds, args.timeout)
+        results = run_group(cmds, args.timeout)
         payloads = [r.result_json() for r in results]
         if all(r.returncode == 0 for r in results) and all(p is not None for p in payloads):
             break
@@ -98,8 +101,7 @@ def measure_harness(cfg: Config, model: str, args: argparse.Namespace,
             continue
         # The first rank that failed by itself (the others were killed after it).
         first = next((r for r in results if r.returncode not in (0, None)), None) or results[0]
-        return common.Measurement(None, "failed", first.error_line(),
-                                  [r.peak_rss_mib for r in results])
+        return Measurement(None, "failed", first.error_line(), [r.peak_rss_mib for r in results])
     elapsed = max(p["elapsed_s"] for p in payloads)  # type: ignore[index]
     batch = payloads[0]["batch_size"]  # type: ignore[index]
     extra: dict[str, Any] = {
@@ -113,34 +115,32 @@ def measure_harness(cfg: Config, model: str, args: argparse.Namespace,
         extra["trained_per_worker"] = [p.get("trained") for p in payloads]  # type: ignore[union-attr]
     if "static_stage" in payloads[0]:  # type: ignore[operator]
         extra["static_stage"] = all(p["static_stage"] for p in payloads)  # type: ignore[index]
-    return common.Measurement(batch * steps / elapsed, "ok", "",
-                              [p["rss_peak_mib"] for p in payloads], extra)  # type: ignore[index]
+    return Measurement(batch * steps / elapsed, "ok", "",
+                       [p["rss_peak_mib"] for p in payloads], extra)  # type: ignore[index]
 
 
-def measure(cfg: Config, model: str, facts: ModelFacts, cli: pipetrain_cli.CliInfo,
-            args: argparse.Namespace) -> common.Measurement:
+def measure(cfg: Config, model: str, facts: ModelFacts, args: argparse.Namespace) -> Measurement:
     """One run of ``cfg`` on ``model``."""
     if cfg.kind != "pipetrain":
-        return measure_harness(cfg, model, args, facts.cuts.get(cfg.world) if cfg.kind != "ddp" else None,
-                               facts.report.get("source"))
+        return measure_harness(cfg, model, args, facts.cuts.get(cfg.world) if cfg.kind != "ddp" else None)
     return pipetrain_cli.run_pipetrain(
-        cli, facts.pipetrain_spec, cfg.schedule, cfg.world, cfg.pipetrain_config or None,
-        common.BATCH_SIZES[model], cfg.microbatches, args.steps_for[model], args.warmup,
+        args.pipetrain, facts.pipetrain_spec, cfg.schedule, cfg.world, cfg.pipetrain_config or None,
+        BATCH_SIZES[model], cfg.microbatches, args.steps_for[model], args.warmup,
         args.seed, args.timeout, facts.cut_names.get(cfg.world))
 
 
 # --------------------------------------------------------------------------- summarising
-def paired_ratio(runs: dict[str, list[common.Measurement]], a: str, b: str) -> float | None:
+def paired_ratio(runs: dict[str, list[Measurement]], a: str, b: str) -> float | None:
     """Median over rounds of samples/s(a) / samples/s(b), using rounds where both ran."""
     if a not in runs or b not in runs:
         return None
     ratios = [x.samples_per_second / y.samples_per_second  # type: ignore[operator]
               for x, y in zip(runs[a], runs[b])
               if x.samples_per_second and y.samples_per_second]
-    return common.median_or_none(ratios)
+    return median_or_none(ratios)
 
 
-def summarise(model: str, runs: dict[str, list[common.Measurement]], cfgs: list[Config],
+def summarise(model: str, runs: dict[str, list[Measurement]], cfgs: list[Config],
               microbatches: list[int], facts: ModelFacts) -> dict[str, Any]:
     """The per-model JSON object: headline ratios, raw medians and every configuration."""
     configs: dict[str, Any] = {}
@@ -148,7 +148,7 @@ def summarise(model: str, runs: dict[str, list[common.Measurement]], cfgs: list[
     for cfg in cfgs:
         ms = runs.get(cfg.name, [])
         ok = [m.samples_per_second for m in ms if m.samples_per_second]
-        med = common.median_or_none(ok)  # type: ignore[arg-type]
+        med = median_or_none(ok)  # type: ignore[arg-type]
         medians[cfg.name] = med
         failures = [m for m in ms if m.status != "ok"]
         status = "ok" if ok else (failures[-1].status if failures else "not run")
@@ -181,7 +181,7 @@ def summarise(model: str, runs: dict[str, list[common.Measurement]], cfgs: list[
             "details": ms[-1].extra if ms else {},
         }
     prim = 4 if 4 in microbatches else max(microbatches)
-    steady = {name: [common.Measurement(m.extra.get("samples_per_second_steady") or None, m.status, m.error,
+    steady = {name: [Measurement(m.extra.get("samples_per_second_steady") or None, m.status, m.error,
                                         m.peak_rss_mib, m.extra) for m in ms]
               for name, ms in runs.items() if name.startswith("pipetrain_")}
     steady.update({name: ms for name, ms in runs.items() if not name.startswith("pipetrain_")})
@@ -230,7 +230,7 @@ def print_table(report: dict[str, Any]) -> None:
         r = report[model]
         m = r.get("model", {})
         print(f"\n{model}: batch {m.get('batch_size')}, {m.get('num_parameters', 0) / 1e6:.1f} M parameters "
-              f"({m.get('source')}), {m.get('split')} split: stages begin at children "
+              f"(pipetrain.models {m.get('pipetrain_model_spec')}), {m.get('split')} split: stages begin at children "
               f"{m.get('stage_cuts', {}).get('2')} of {m.get('children')}")
         print(f"  {'config':<26}{'samples/s':>11}{'min-max':>17}{'vs single':>11}{'mem MiB/worker':>18}"
               f"{'sim MiB':>12}  status")
@@ -243,8 +243,7 @@ def print_table(report: dict[str, Any]) -> None:
                    if c["peak_rss_mib_per_worker"] else "-")
             sim = "/".join(f"{x:.0f}" for x in c["predicted_peak_mib_per_worker"] or []) or "-"
             err = (c["errors"] or [""])[0]
-            why = ("ok" if c["status"] == "ok" else "unavailable (see below)"
-                   if err and err == meta.get("pipetrain_unavailable") else f"{c['status']}: {err[:90]}")
+            why = "ok" if c["status"] == "ok" else f"{c['status']}: {err[:90]}"
             print(f"  {name:<26}{fmt(c['samples_per_second_median']):>11}{rng:>17}"
                   f"{fmt(c['ratio_vs_single'], '.2f'):>11}{rss:>18}{sim:>12}  {why}")
         print("  mem: peak RSS of each worker's training phase above its RSS once set up (stage built, peak reset)"
@@ -261,8 +260,6 @@ def print_table(report: dict[str, Any]) -> None:
             elif key.startswith("pipetrain_flush") or key.startswith("pipetrain_gpipe"):
                 note = f" (m={r['compared_at_microbatches']})"
             print(f"    {key:<36}{fmt(r[key], '.2f'):>6}{note}")
-    if meta.get("pipetrain_unavailable"):
-        print(f"\npipetrain configurations unavailable: {meta['pipetrain_unavailable']}")
 
 
 # --------------------------------------------------------------------------- main
@@ -288,17 +285,19 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     q = a.quick
     a.rounds = a.rounds or (1 if q else 5)
     quick_steps, full_steps = {"mlp": 3, "lm": 1}, {"mlp": 20, "lm": 5}
-    a.steps_for = {m: a.steps or (quick_steps if q else full_steps)[m] for m in common.BATCH_SIZES}
+    a.steps_for = {m: a.steps or (quick_steps if q else full_steps)[m] for m in BATCH_SIZES}
     a.warmup = a.warmup if a.warmup is not None else (1 if q else 3)
     a.timeout = a.timeout or (90.0 if q else 240.0)
     a.microbatches = [int(x) for x in (a.microbatches or ("4" if q else "2,4,8")).split(",")]
     a.models = [x.strip() for x in a.models.split(",") if x.strip()]
     for m in a.models:
-        if m not in common.BATCH_SIZES:
-            p.error(f"unknown model {m!r}; choose from {sorted(common.BATCH_SIZES)}")
+        if m not in BATCH_SIZES:
+            p.error(f"unknown model {m!r}; choose from {sorted(BATCH_SIZES)}")
     for m in a.microbatches:
-        if m < 2 or any(b % m for b in common.BATCH_SIZES.values()):
-            p.error(f"--microbatches {m}: each m must be >= 2 and divide the batch sizes {sorted(set(common.BATCH_SIZES.values()))}")
+        if m < 2 or any(b % m for b in BATCH_SIZES.values()):
+            p.error(f"--microbatches {m}: each m must be >= 2 and divide the batch sizes {sorted(set(BATCH_SIZES.values()))}")
+    if not os.path.exists(a.pipetrain):
+        p.error(f"--pipetrain {a.pipetrain} does not exist; install the package (make install) or pass the CLI's path")
     if a.rounds < 1 or min(a.steps_for.values()) < 1 or a.warmup < 0:
         p.error("--rounds and --steps must be >= 1, --warmup >= 0")
     return a
@@ -323,17 +322,13 @@ def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> M
     of the orchestrator and it happens before the first round.
     """
     worlds = sorted({c.world for c in cfgs if c.world > 1})
-    try:
-        bm = common.build_bench_model(model, seed=args.seed)
-    except Exception as e:  # the workers will fail with the details
-        log(f"warning: cannot build {model}: {e}")
-        return ModelFacts(common.MODEL_NAMES[model], {}, {}, {"error": str(e)})
+    bm = build_bench_model(model, seed=args.seed)
     times = None
     if args.split == "balanced":
-        times = common.profile_children(bm, seed=args.seed)
-        cuts = {w: common.balanced_cuts(times, w) for w in worlds}
+        times = child_times(bm, seed=args.seed)
+        cuts = {w: balanced_cuts(times, w) for w in worlds}
     else:
-        cuts = {w: common.split_point(bm.layers, w) for w in worlds}
+        cuts = {w: split_point(bm.layers, w) for w in worlds}
     predicted: dict[str, list[float] | None] = {}
     if 2 in cuts and not args.quick:  # a few seconds per model: left out of smoke runs
         from baselines import predict
@@ -341,9 +336,9 @@ def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> M
         cache: dict[int, Any] = {}  # stage costs per unit count, shared by the schedules
         predicted = {c.name: predict.predict(bm, cuts[2], c.kind, c.schedule, c.microbatches, cache=cache)
                      for c in cfgs if c.world == 2 and c.kind in ("torch_pipe", "pipetrain")}
-    cut_names = {w: names for w, c in cuts.items() if (names := bm.cut_names(c)) is not None}
-    first = {str(w): [(bm.child_names or ["0"])[0], *names] for w, names in cut_names.items()}
-    report = {"source": bm.source, "batch_size": bm.batch_size, "num_parameters": bm.num_parameters(),
+    cut_names = {w: bm.cut_names(c) for w, c in cuts.items()}
+    first = {str(w): [bm.child_modules[0][0], *names] for w, names in cut_names.items()}
+    report = {"batch_size": bm.batch_size, "num_parameters": bm.num_parameters(),
               "pipetrain_cut": {str(w): ",".join(n) for w, n in cut_names.items()},
               "stage_first_modules": first,
               "pipetrain_model_spec": bm.pipetrain_spec, "children": len(list(bm.layers)),
@@ -352,7 +347,7 @@ def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> M
               **({"child_times_s": times} if times else {})}
     facts = ModelFacts(bm.pipetrain_spec, cuts, predicted, report, cut_names)
     del bm
-    common.release_memory()
+    release_memory()
     return facts
 
 
@@ -363,26 +358,21 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     t_start = time.monotonic()
     load_start = os.getloadavg()
-    cli = pipetrain_cli.probe(args.pipetrain)
-    if not cli.available:
-        log(f"pipetrain configurations unavailable: {cli.reason}")
     cfgs = [c for c in build_configs(args.microbatches, args.four_workers, args.quick)
             if c.name == "single" or any(fnmatch.fnmatch(c.name, g) for g in args.configs.split(","))]
     facts = {m: prepare_model(m, cfgs, args) for m in args.models}
-    runs: dict[str, dict[str, list[common.Measurement]]] = {m: {} for m in args.models}
+    runs: dict[str, dict[str, list[Measurement]]] = {m: {} for m in args.models}
     for rnd in range(args.rounds):
         for model in args.models:
             k = rnd % len(cfgs)
             for cfg in cfgs[k:] + cfgs[:k]:  # rotate: no configuration always runs first
                 t = time.monotonic()
-                m = measure(cfg, model, facts[model], cli, args)
+                m = measure(cfg, model, facts[model], args)
                 m.extra["run_wall_s"] = time.monotonic() - t  # launch to exit, startup included
                 runs[model].setdefault(cfg.name, []).append(m)
-                if m.status != "unavailable":
-                    log(f"[round {rnd + 1}/{args.rounds}] {model:<4}{cfg.name:<26}"
-                        + (f"{m.samples_per_second:9.1f} samples/s" if m.samples_per_second
-                           else f"{m.status}: {m.error}") + f"   ({m.extra['run_wall_s']:.1f} s)")
-        # Every configuration runs in rounds; a pipetrain that is unavailable costs nothing.
+                log(f"[round {rnd + 1}/{args.rounds}] {model:<4}{cfg.name:<26}"
+                    + (f"{m.samples_per_second:9.1f} samples/s" if m.samples_per_second
+                       else f"{m.status}: {m.error}") + f"   ({m.extra['run_wall_s']:.1f} s)")
     report: dict[str, Any] = {
         m: summarise(m, runs[m], cfgs, args.microbatches, facts[m])
         for m in args.models}
@@ -397,9 +387,7 @@ def main(argv: list[str]) -> int:
         "microbatches": args.microbatches, "seed": args.seed, "torch": torch_version,
         "cpu_count": os.cpu_count(), "loadavg_start": list(load_start),
         "loadavg_end": list(os.getloadavg()), "wall_s": time.monotonic() - t_start,
-        "threads_per_process": 1, "pipetrain_cli": cli.path,
-        "pipetrain_unavailable": None if cli.available else cli.reason,
-        "pipetrain_warmup_excluded": "--warmup-steps" in cli.flags if cli.available else None,
+        "threads_per_process": 1, "pipetrain_cli": args.pipetrain,
         "configs": [asdict(c) for c in cfgs],
     }
     if args.json:

@@ -23,15 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CLI = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "pipetrain")
+from baselines.pipetrain_cli import default_cli, parse_json_output
+from pipetrain.schedule import get_schedule
+from processes import run_group
+
+CLI = default_cli()
 
 
 def _cmd(args: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -44,25 +45,13 @@ def _cmd(args: argparse.Namespace, extra: list[str]) -> list[str]:
 
 def _run(cmds: list[list[str]], timeout: float) -> list[dict[str, Any] | None]:
     """Start the commands together; the JSON object each printed (None on failure)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
-             for c in cmds]
     out: list[dict[str, Any] | None] = []
-    for p in procs:
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            p.kill()
+    for res in run_group(cmds, timeout):
+        if res.returncode != 0:
+            sys.stderr.write(f"failed ({res.error_line()})\n")
             out.append(None)
             continue
-        if p.returncode != 0:
-            sys.stderr.write(f"failed ({p.returncode}): {' '.join(p.args)}\n{stderr.strip()[-400:]}\n")
-            out.append(None)
-            continue
-        try:
-            out.append(json.loads(stdout.strip().splitlines()[-1]))
-        except (ValueError, IndexError):
-            out.append(None)
+        out.append(parse_json_output(res.stdout))
     return out
 
 
@@ -78,8 +67,8 @@ def configurations(args: argparse.Namespace) -> dict[str, list[list[str]]]:
         sub = argparse.Namespace(**{**vars(args), "option": half + [f"depth={depth // 2}"]})
         confs["ceiling"] = [_cmd(sub, ["--workers", "1"]), _cmd(sub, ["--workers", "1"])]
     for s in args.schedules.split(","):
-        if s == "pipedream":
-            confs["pipedream"] = [_cmd(args, ["--workers", "2", "--config", "1-1", "--schedule", "pipedream"])]
+        if get_schedule(s).unit == "minibatch":  # whole minibatches: no microbatches to name
+            confs[s] = [_cmd(args, ["--workers", "2", "--config", "1-1", "--schedule", s])]
         else:
             confs[f"{s}_m{m}"] = [_cmd(args, ["--workers", "2", "--config", "1-1", "--schedule", s,
                                               "--microbatches", m])]

@@ -8,7 +8,8 @@ The data flow is model -> graph -> profile -> plan -> schedule -> simulate | run
     captured = pt.capture(bundle.model, bundle.example_inputs)   # LayerGraph + fx GraphModule
     prof = pt.profile_model(bundle)                              # per-layer costs
     p = pt.plan(prof, pt.parse_topology("4", "10Gbit"))          # stages and replicas
-    sched = pt.build_schedule("pipedream", p.replicas, steps=8)  # per-worker action lists
+    spec = pt.get_schedule("pipedream")                          # what the schedule is (unit, options...)
+    sched = spec.build(p.replicas, steps=8)                      # per-worker action lists
     result = pt.simulate(sched, pt.StageCosts.from_plan(p, prof))
     pt.train(pt.TrainConfig(model="mlp", workers=2, schedule="pipedream", steps=20))
 
@@ -30,7 +31,10 @@ from .plan import (
 )
 from .profile import NodeProfile, Profile, format_profile_table, load_profile, profile_model, save_profile
 from .runtime import TrainConfig, WorkerFailure, replay_schedule, train, train_single_process
-from .schedule import SCHEDULE_NAMES, Action, Op, Schedule, build_schedule, validate
+from .schedule import (
+    SCHEDULE_NAMES, SCHEDULES, Action, Event, Op, Schedule, ScheduleSpec, build_schedule, get_schedule,
+    steady_state_throughput, steady_state_time_per_minibatch, validate, write_chrome_trace,
+)
 from .simulate import SimResult, StageCost, StageCosts, save_gantt, simulate, to_chrome_trace
 
 __all__ = [
@@ -46,7 +50,8 @@ __all__ = [
     "Level", "Topology", "Stage", "Plan", "PlanOptions", "parse_topology", "plan", "evaluate",
     "data_parallel_time", "baselines", "stage_memory",
     # schedule -> simulate | run
-    "Action", "Op", "Schedule", "SCHEDULE_NAMES", "build_schedule", "validate",
+    "Action", "Op", "Schedule", "SCHEDULE_NAMES", "SCHEDULES", "ScheduleSpec", "get_schedule", "build_schedule",
+    "validate", "Event", "write_chrome_trace", "steady_state_time_per_minibatch", "steady_state_throughput",
     "StageCost", "StageCosts", "SimResult", "simulate", "to_chrome_trace", "save_gantt",
     "TrainConfig", "WorkerFailure", "train", "train_single_process", "replay_schedule",
 ]

@@ -33,3 +33,7 @@ class ScheduleError(PipetrainError):
 
 class RuntimeConfigError(PipetrainError):
     """A training run is misconfigured (worker count, plan and model disagree, ...)."""
+
+
+class DataError(PipetrainError):
+    """A data set cannot be loaded or does not fit: unknown name, missing files, bad factory, bad samples."""

@@ -16,7 +16,7 @@ from torch import nn
 from pipetrain.errors import ModelError, PipetrainError
 from pipetrain.models import (
     EXTRA_MODEL_NAMES, MODEL_NAMES, TINY_OPTIONS, ModelBundle, build_model, default_batch_size, default_options,
-    get_model, load_model,
+    get_model, load_model, wrap_model,
 )
 from pipetrain.models.resnet import Bottleneck
 
@@ -115,7 +115,7 @@ def test_default_batch_sizes_and_options_are_recorded() -> None:
     assert default_batch_size("mlp") == 64 and default_batch_size("gpt") == 16
     bundle = get_model("mlp", depth=2, width=8)
     assert bundle.batch_size == 64
-    assert bundle.options == {"depth": 2, "width": 8, "in_features": None, "num_classes": None}
+    assert bundle.options == {"depth": 2, "width": 8, "in_features": None, "num_classes": None, "input_shape": None}
     assert default_options("gpt") == {"vocab": 8192, "d_model": 256, "layers": 8, "heads": 4, "seq_len": 128,
                                        "dropout": 0.0}
 
@@ -252,7 +252,12 @@ def test_unknown_model_name_lists_valid_names() -> None:
     ("mlp", {"detph": 2}, r"unknown mlp option 'detph' \(did you mean 'depth'\?\); valid mlp options"),
     ("mlp", {"width": 2.5}, r"'width' must be an integer >= 1, got 2.5"),
     ("vgg16", {"depth": 15}, r"'depth' must be one of \[11, 13, 16, 19\], got 15"),
-    ("alexnet", {"image_size": 32}, r"'image_size' must be an integer >= 63, got 32"),
+    ("alexnet", {"image_size": 14}, r"'image_size' must be an integer >= 15, got 14"),
+    ("vgg16", {"image_size": 7}, r"'image_size' must be an integer >= 8, got 7"),
+    ("resnet50", {"in_channels": 0}, r"'in_channels' must be an integer >= 1, got 0"),
+    ("mlp", {"input_shape": (1, 0)}, r"'input_shape' must be None or a non-empty sequence of integers >= 1"),
+    ("mlp", {"input_shape": (1, 4, 4), "in_features": 15}, r"'in_features' must be None or 16, the number of "
+                                                            r"values of input_shape=\(1, 4, 4\), got 15"),
     ("alexnet", {"width_mult": 0}, r"'width_mult' must be a number in \(0.0, inf\), got 0"),
     ("resnet50", {"norm": "layer"}, r"'norm' must be one of \['batch', 'group', 'none'\], got 'layer'"),
     ("resnet50", {"layers": (3, 4, 6)}, r"'layers' must be a sequence of 4 integers >= 1"),
@@ -396,3 +401,66 @@ def test_load_model_errors(factories: str, spec: str, options: dict, pattern: st
     with pytest.raises(ModelError, match=pattern.replace("{m}", factories)) as info:
         load_model(spec.replace("{m}", factories), **options)
     assert "\n" not in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------
+# Input and output sizes for real data; model outputs as they come.
+
+
+@pytest.mark.parametrize("name", ["alexnet", "vgg16", "resnet50"])
+@pytest.mark.parametrize("size", [28, 15])
+def test_image_models_build_and_run_on_small_grey_images(name: str, size: int) -> None:
+    bundle = tiny(name, image_size=size, in_channels=1, num_classes=10)
+    assert bundle.example_inputs[0].shape == (B, 1, size, size)
+    out = bundle.model(*bundle.example_inputs)
+    assert out.shape == (B, 10) and torch.isfinite(out).all()
+    traced = torch.fx.symbolic_trace(bundle.model)
+    assert torch.equal(traced(*bundle.example_inputs), out)
+
+
+def test_small_image_adaptations_change_only_the_first_layer() -> None:
+    with torch.device("meta"):
+        small = build_model("alexnet", image_size=28, in_channels=1, num_classes=1000)
+        full = build_model("alexnet")
+        vgg_small, vgg_full = build_model("vgg16", image_size=28), build_model("vgg16")
+        res_grey, res_full = build_model("resnet50", in_channels=1), build_model("resnet50")
+    assert small.features[0].kernel_size == (3, 3) and small.features[0].stride == (1, 1)
+    assert full.features[0].kernel_size == (11, 11) and full.features[0].stride == (4, 4)
+    # AlexNet: only the stem's weights differ (3x3x1 instead of 11x11x3 per filter).
+    assert n_params(full) - n_params(small) == 64 * (11 * 11 * 3 - 3 * 3 * 1)
+    # VGG: rounding-up pools add no parameter; torchvision's floor pools at 224.
+    assert n_params(vgg_small) == n_params(vgg_full) == 138_357_544
+    assert all(m.ceil_mode for m in vgg_small.modules() if isinstance(m, nn.MaxPool2d))
+    assert not any(m.ceil_mode for m in vgg_full.modules() if isinstance(m, nn.MaxPool2d))
+    assert n_params(res_full) - n_params(res_grey) == 64 * 7 * 7 * 2
+
+
+def test_mlp_reads_images_through_a_flatten() -> None:
+    bundle = tiny("mlp", input_shape=(1, 28, 28), in_features=None, num_classes=10)
+    assert isinstance(bundle.model[0], nn.Flatten) and bundle.model[1].in_features == 784
+    assert bundle.options["in_features"] == 784 and bundle.example_inputs[0].shape == (B, 1, 28, 28)
+    assert bundle.model(*bundle.example_inputs).shape == (B, 10)
+    flat = tiny("mlp", input_shape=(64,), in_features=None, num_classes=10)
+    assert isinstance(flat.model[0], nn.Linear) and flat.model[0].in_features == 64
+
+
+def test_zoo_losses_are_stand_ins_and_user_bundles_own_theirs(factories: str) -> None:
+    assert tiny("mlp").default_loss
+    assert load_model(f"{factories}:pair").default_loss
+    assert not ModelBundle(nn.Linear(2, 2), (torch.zeros(1, 2),), lambda o, t: o.sum(), lambda b, g: ((), None),
+                           "mine").default_loss
+
+
+def test_hugging_face_model_as_it_comes_wraps_and_its_loss_reads_logits() -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=32, n_positions=8, n_embd=16, n_layer=1, n_head=2, use_cache=False)
+    torch.manual_seed(0)
+    lm = transformers.GPT2LMHeadModel(config)
+    ids = torch.randint(0, 32, (2, 8))
+    bundle = wrap_model(lm, ids, "hf-raw")
+    output = bundle.model(*bundle.example_inputs)
+    assert not isinstance(output, torch.Tensor)          # a ModelOutput, not wrapped
+    (x,), y = bundle.make_batch(2, torch.Generator().manual_seed(0))
+    assert y.shape == (2, 8, 32)                          # the random target follows the logits
+    loss = bundle.loss_fn(bundle.model(x), y)
+    assert loss.dim() == 0 and math.isfinite(loss.item())

@@ -16,9 +16,9 @@ from pipetrain.plan.types import Level, Stage, Topology
 from pipetrain.profile.io import load_profile
 from pipetrain.profile.types import NodeProfile, Profile
 
-PROFILES = Path(__file__).resolve().parents[1] / ".." / "shared" / "profiles"
-TXT_FILES = sorted(PROFILES.glob("*.txt")) if PROFILES.is_dir() else []
-needs_profiles = pytest.mark.skipif(not TXT_FILES, reason="../shared/profiles not present")
+#: The published PipeDream profiles, carried by the tests (MIT; see data/profiles/NOTICE).
+PROFILES = Path(__file__).resolve().parent / "data" / "profiles"
+TXT_FILES = sorted(PROFILES.glob("*.txt"))
 PD = PlanOptions(cost_model="pipedream")
 
 
@@ -205,7 +205,6 @@ def _stage_lists(prof: Profile, max_stages: int) -> list[list[list[str]]]:
 
 
 # -- the published profiles ------------------------------------------------------------------------
-@needs_profiles
 @pytest.mark.parametrize("path", TXT_FILES, ids=lambda p: p.stem)
 def test_predicted_time_equals_evaluate(path: Path) -> None:
     prof = load_profile(path)
@@ -227,7 +226,6 @@ def test_predicted_time_equals_evaluate(path: Path) -> None:
                 max(C, 4 * (N - 1) * prof.total_parameter_bytes / (N * B)) / N, rel=1e-12)
 
 
-@needs_profiles
 def test_vgg16_16_workers_10gbit_is_15_1() -> None:
     """Paper (Table 1): VGG-16 on 16 workers at 10 Gbit/s is "15-1": the convolutions
     (compute-heavy, few parameters) replicated, the fully connected layers (about 90% of the
@@ -242,7 +240,6 @@ def test_vgg16_16_workers_10gbit_is_15_1() -> None:
     assert p.speedup_over_data_parallel > 2.0
 
 
-@needs_profiles
 def test_resnet50_prefers_data_parallelism() -> None:
     """Paper: ResNet-50's best configuration at 16 workers is data parallelism."""
     prof = load_profile(PROFILES / "resnet50.txt")
@@ -251,7 +248,6 @@ def test_resnet50_prefers_data_parallelism() -> None:
     assert p.predicted_time == p.data_parallel_time
 
 
-@needs_profiles
 @pytest.mark.parametrize("name", ["vgg16", "resnet50", "gnmt"])
 @pytest.mark.parametrize("cost_model", ["pipedream", "pipetrain"])
 def test_hierarchical_4x4(name: str, cost_model: str) -> None:
@@ -280,7 +276,6 @@ def test_hierarchy_degenerate_levels_match_flat() -> None:
     assert plan(prof, parse_topology("1,4", "1e30,1e9"), PD).predicted_time == pytest.approx(flat, rel=1e-9)
 
 
-@needs_profiles
 def test_deterministic_and_straight_uses_one_replica() -> None:
     prof = load_profile(PROFILES / "resnet18.txt")
     topo = Topology.flat(8, 1.25e9)
@@ -290,7 +285,6 @@ def test_deterministic_and_straight_uses_one_replica() -> None:
     assert set(s.replicas) == {1} and s.num_stages <= 8
 
 
-@needs_profiles
 def test_wide_dag_state_control() -> None:
     """Past max_states the planner uses prefixes of several topological orders."""
     prof = load_profile(PROFILES / "gnmt.txt")

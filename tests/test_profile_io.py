@@ -12,9 +12,9 @@ from pipetrain.profile.io import load_profile, profile_from_dict, profile_to_dic
 from pipetrain.profile.pipedream_txt import parse_pipedream_txt
 from pipetrain.profile.types import NodeProfile, Profile
 
-PROFILES = Path(__file__).resolve().parents[1] / ".." / "shared" / "profiles"
-TXT_FILES = sorted(PROFILES.glob("*.txt")) if PROFILES.is_dir() else []
-needs_profiles = pytest.mark.skipif(not TXT_FILES, reason="../shared/profiles not present")
+#: The published PipeDream profiles, carried by the tests (MIT; see data/profiles/NOTICE).
+PROFILES = Path(__file__).resolve().parent / "data" / "profiles"
+TXT_FILES = sorted(PROFILES.glob("*.txt"))
 
 
 def raw_counts(path: Path) -> dict:
@@ -41,7 +41,6 @@ def raw_counts(path: Path) -> dict:
             "params": params, "dropped": dropped}
 
 
-@needs_profiles
 @pytest.mark.parametrize("path", TXT_FILES, ids=lambda p: p.stem)
 def test_published_profile_imports(path: Path) -> None:
     prof = load_profile(path)
@@ -61,7 +60,6 @@ def test_published_profile_imports(path: Path) -> None:
     assert any(n.is_input for n in prof.nodes)
 
 
-@needs_profiles
 def test_gnmt_details() -> None:
     prof = load_profile(PROFILES / "gnmt.txt")
     assert [n.name for n in prof.nodes if n.is_input] == ["node1", "node2", "node3"]
@@ -72,7 +70,6 @@ def test_gnmt_details() -> None:
     assert prof.batch_size is None
 
 
-@needs_profiles
 def test_alexnet_sorted_and_batch_inferred() -> None:
     prof = load_profile(PROFILES / "alexnet.txt")  # the file lists nodes out of order
     assert prof.names[:3] == ["node1", "node2", "node3"]
@@ -95,7 +92,6 @@ def test_json_round_trip(tmp_path: Path) -> None:
     assert back["b"].kind == "function" and back.optimizer_state_bytes_per_parameter_byte == 2.0
 
 
-@needs_profiles
 def test_txt_to_json_round_trip(tmp_path: Path) -> None:
     prof = load_profile(PROFILES / "resnet50.txt")
     save_profile(prof, tmp_path / "r.json")

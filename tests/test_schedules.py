@@ -8,7 +8,8 @@ import pytest
 
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule import (
-    SCHEDULE_NAMES, Action, Op, Schedule, build_schedule, check_structure, insert_comm, strip_comm, validate,
+    SCHEDULE_NAMES, SCHEDULES, Action, Op, Schedule, build_schedule, check_structure, get_schedule, insert_comm, lcm,
+    strip_comm, validate,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "schedules"
@@ -313,3 +314,146 @@ def test_csv_round_trip(tmp_path: Path, name: str, replicas: list[int], m: int, 
     assert (t.name, t.workers, t.stage_ranks, t.microbatches, t.steps) == \
         (s.name, s.workers, s.stage_ranks, s.microbatches, s.steps)
     validate(t)
+
+
+# -- the schedule descriptions (ScheduleSpec) ---------------------------------------------
+def test_every_name_has_one_spec() -> None:
+    assert tuple(SCHEDULES) == SCHEDULE_NAMES
+    for name in SCHEDULE_NAMES:
+        spec = get_schedule(name)
+        assert spec is SCHEDULES[name] and spec.name == name
+        assert spec.unit in ("minibatch", "microbatch")
+        assert set(spec.option_defaults) == set(spec.options)
+        assert spec.version_rule and spec.summary
+    assert {n for n in SCHEDULE_NAMES if get_schedule(n).synchronous} == {"flush", "gpipe", "dp", "interleaved",
+                                                                         "zerobubble"}
+    assert {n for n in SCHEDULE_NAMES if not get_schedule(n).flushes} == {"pipedream", "2bw"}
+    assert [n for n in SCHEDULE_NAMES if get_schedule(n).unit == "minibatch"] == ["pipedream"]
+
+
+def test_spec_build_equals_build_schedule() -> None:
+    for name, stem, replicas, m, steps, options in GOLDEN_CASES:
+        a = get_schedule(name).build(replicas, m, steps, **options)
+        assert a.to_csv() == build_schedule(name, replicas, m, steps, **options).to_csv()
+
+
+@pytest.mark.parametrize("name,stages,replicas,expected", [
+    ("pipedream", 4, [1, 1, 1, 1], 1),
+    ("pipedream", 3, [2, 1, 1], 1),
+    ("flush", 4, [1, 1, 1, 1], 4),
+    ("flush", 2, [3, 1], 3),
+    ("gpipe", 3, [1, 1, 1], 3),
+    ("zerobubble", 2, [1, 1], 2),
+    ("dp", 1, [4], 4),
+    ("2bw", 3, [1, 1, 1], 3),
+    ("2bw", 3, [2, 1, 1], 4),        # max(3, 2) = 3 is not a multiple of 2
+    ("2bw", 2, [3, 1], 3),
+    ("interleaved", 2, [1, 1], 2),   # stages are ranks
+    ("interleaved", 3, [1, 1, 1], 3),
+])
+def test_default_microbatches(name: str, stages: int, replicas: list[int], expected: int) -> None:
+    spec = get_schedule(name)
+    m = spec.default_microbatches(stages, replicas)
+    assert m == expected
+    spec.check_microbatches(m, stages, replicas)  # the default is always accepted
+    if spec.unit == "microbatch":
+        assert m >= max(stages, max(replicas))
+
+
+def test_default_microbatches_builds_for_every_schedule() -> None:
+    for name in SCHEDULE_NAMES:
+        spec = get_schedule(name)
+        for model_reps in ([1, 1], [1, 1, 1, 1], [2, 1, 1], [3], [2, 2]):
+            try:
+                reps = spec.rank_replicas(model_reps, {})
+            except ScheduleError:
+                continue  # e.g. dp needs one stage, interleaved no replicas
+            m = spec.default_microbatches(len(reps), reps)
+            steps = spec.steps_period(reps)
+            validate(spec.build(model_reps, m, steps))
+
+
+@pytest.mark.parametrize("name,m,stages,replicas,match", [
+    ("pipedream", 4, 2, None, r"pipedream moves whole minibatches .* microbatches must be 1 \(got 4\)"),
+    ("flush", 0, 2, None, r"microbatches must be an integer >= 1 \(got 0\)"),
+    ("flush", 2.0, 2, None, r"microbatches must be an integer >= 1"),
+    ("flush", 1, 2, [2, 1], r"microbatches=1 < 2 replicas of a stage"),
+    ("2bw", 2, 3, None, r"2bw needs microbatches >= stages.*microbatches=2 < 3 stages; use microbatches=3"),
+    ("2bw", 3, 3, [2, 1, 1], r"multiple of every stage's replica count.*use microbatches=4"),
+    ("interleaved", 3, 2, None, r"groups of P=2 ranks: microbatches=3 is not a multiple of 2; use microbatches=4"),
+])
+def test_check_microbatches_rules(name: str, m: int, stages: int, replicas: list[int] | None, match: str) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        get_schedule(name).check_microbatches(m, stages, replicas)
+
+
+def test_check_microbatches_accepts() -> None:
+    get_schedule("pipedream").check_microbatches(1, 4)
+    get_schedule("2bw").check_microbatches(4, 3, [2, 1, 1])
+    get_schedule("interleaved").check_microbatches(6, 3)
+    get_schedule("gpipe").check_microbatches(1, 4)  # m < stages is allowed (a bubble, not an error)
+
+
+def test_options_defaults_and_checks() -> None:
+    assert get_schedule("pipedream").check_options({}) == {"vertical_sync": False}
+    assert get_schedule("pipedream").check_options({"vertical_sync": True}) == {"vertical_sync": True}
+    assert get_schedule("interleaved").check_options({}) == {"virtual_stages": 2}
+    assert get_schedule("interleaved").check_options({"virtual_stages": 3}) == {"virtual_stages": 3}
+    assert get_schedule("flush").check_options({"virtual_stages": None, "vertical_sync": None}) == {}
+
+
+@pytest.mark.parametrize("name,options,match", [
+    ("flush", {"virtual_stages": 2}, r"schedule 'flush' takes no option virtual_stages; its options: none"),
+    ("pipedream", {"virtual_stages": 2}, r"takes no option virtual_stages; its options: vertical_sync"),
+    ("interleaved", {"virtual_stages": 0}, r"virtual_stages .* must be an integer >= 1 \(got 0\)"),
+    ("interleaved", {"virtual_stages": True}, r"virtual_stages .* must be an integer >= 1 \(got True\)"),
+    ("pipedream", {"vertical_sync": "yes"}, r"vertical_sync must be True or False \(got 'yes'\)"),
+])
+def test_option_errors(name: str, options: dict, match: str) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        get_schedule(name).check_options(options)
+
+
+def test_unknown_name_lists_valid_names() -> None:
+    with pytest.raises(ScheduleError, match=r"unknown schedule 'pipe'; valid names: pipedream, 2bw, flush, gpipe"):
+        get_schedule("pipe")
+
+
+def test_stages_and_ranks() -> None:
+    inter = get_schedule("interleaved")
+    assert inter.model_stages(2, {}) == 4
+    assert inter.model_stages(2, {"virtual_stages": 3}) == 6
+    assert inter.ranks_needed([1] * 6, {"virtual_stages": 3}) == 2
+    assert inter.ranks_needed([1] * 6, {}) == 3
+    assert inter.rank_replicas([1] * 4, {}) == [1, 1]
+    assert inter.chunks_per_rank({"virtual_stages": 3}) == 3
+    for name in ("pipedream", "2bw", "flush", "gpipe", "zerobubble"):
+        spec = get_schedule(name)
+        assert spec.model_stages(3, {}) == 3
+        assert spec.ranks_needed([2, 1, 1], {}) == 4
+        assert spec.rank_replicas([2, 1, 1], {}) == [2, 1, 1]
+    assert get_schedule("dp").ranks_needed([4], {}) == 4
+    # ranks_needed agrees with the schedules the specs build
+    for name, stem, replicas, m, steps, options in GOLDEN_CASES:
+        s = get_schedule(name).build(replicas, m, steps, **options)
+        assert get_schedule(name).ranks_needed(replicas, options) == s.num_workers
+        assert get_schedule(name).model_stages(len(get_schedule(name).rank_replicas(replicas, options)),
+                                               options) == s.num_stages
+
+
+@pytest.mark.parametrize("name,replicas,options,match", [
+    ("interleaved", [1] * 5, {}, r"multiple of 2: got 5 stages"),
+    ("interleaved", [2, 1, 1, 1], {}, r"replicas must be all 1"),
+    ("interleaved", [1, 1], {}, r"at least 2 ranks"),
+    ("dp", [1, 1], {}, r"dp runs one stage on N replicas.*use replicas=\[2\]"),
+    ("flush", [0, 1], {}, r"at least one replica"),
+])
+def test_ranks_needed_errors(name: str, replicas: list[int], options: dict, match: str) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        get_schedule(name).ranks_needed(replicas, options)
+
+
+def test_steps_period_and_lcm() -> None:
+    assert lcm([2, 3, 1]) == 6 and lcm([]) == 1 and lcm([4, 6]) == 12
+    assert get_schedule("pipedream").steps_period([2, 3, 1]) == 6
+    assert get_schedule("flush").steps_period([2, 3, 1]) == 1

@@ -10,7 +10,10 @@ from pipetrain.cli import main
 from pipetrain.errors import PipetrainError, ScheduleError
 from pipetrain.plan.types import Level, Plan, Stage, Topology
 from pipetrain.profile.types import NodeProfile, Profile
-from pipetrain.schedule import Action, Op, build_schedule
+from pipetrain.schedule import (
+    Action, Event, Op, build_schedule, steady_state_rates, steady_state_throughput, steady_state_time_per_minibatch,
+    write_chrome_trace,
+)
 from pipetrain.simulate import (
     StageCost, StageCosts, save_gantt, simulate, to_chrome_trace, trace_event, trace_process_name,
 )
@@ -316,3 +319,58 @@ def test_cli_plan_mode(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert out["microbatches"] == 4 and out["steps"] == 2
     assert main(["simulate", str(tmp_path / "plan.json"), "--schedule", "flush"]) == 2
     assert "--minibatches" in capsys.readouterr().err
+
+
+# -- the shared event type, trace writer and steady-state definition ----------------------
+def _step(rank: int, stage: int, k: int, end: float) -> Event:
+    return Event(rank, Action(stage, Op.STEP, k), end - 0.1, end)
+
+
+def test_steady_state_definition_on_hand_made_events() -> None:
+    # Stage 0 steps at 1, 3, 5, 7 (4 steps, 3 intervals over 6 s); stage 1 at 2, 3, 4, 5.
+    events = [_step(0, 0, k, 1.0 + 2 * k) for k in range(4)] + [_step(1, 1, k, 2.0 + k) for k in range(4)]
+    rates = steady_state_rates(events, 4)
+    assert rates == {(0, 0): pytest.approx(3 / 6), (1, 1): pytest.approx(3 / 3)}
+    assert steady_state_time_per_minibatch(events, 4) == pytest.approx(2.0)  # the slowest stage
+    assert steady_state_throughput(events, 4) == pytest.approx(0.5)
+    # A 2-replica PipeDream stage steps once per 2 minibatches.
+    rep = [_step(0, 0, k, 4.0 * (k + 1)) for k in range(4)]  # 4 steps of 2 minibatches each, 8 minibatches
+    assert steady_state_time_per_minibatch(rep, 8) == pytest.approx(12.0 / (3 * 2))
+    assert steady_state_time_per_minibatch([_step(0, 0, 0, 1.0)], 1) is None  # one step: no steady state
+    assert steady_state_time_per_minibatch([Event(0, Action(0, Op.F, 0), 0.0, 1.0)], 1) is None
+
+
+@pytest.mark.parametrize("name,replicas,m,steps", [
+    ("pipedream", [1, 1, 1], 1, 12), ("pipedream", [2, 1], 1, 12), ("2bw", [1, 1], 2, 6),
+    ("flush", [1, 1, 1], 3, 4), ("dp", [2], 2, 3), ("interleaved", [1] * 4, 2, 3),
+])
+def test_simulator_uses_the_shared_definition(name: str, replicas: list[int], m: int, steps: int) -> None:
+    opts = {"virtual_stages": 2} if name == "interleaved" else {}
+    r = simulate(build_schedule(name, replicas, m, steps, **opts), StageCosts.synthetic(len(replicas), 1.0, 2.0))
+    assert all(isinstance(e, Event) and e.rank == rank for rank, tl in enumerate(r.timelines) for e in tl)
+    assert r.time_per_minibatch == steady_state_time_per_minibatch(r.events, steps)
+    assert r.throughput == pytest.approx(1 / r.time_per_minibatch)
+
+
+def test_flushed_period_equals_makespan_share() -> None:
+    # A flushed schedule repeats identically: the flush-to-flush period is makespan / steps.
+    r = run("flush", [1, 1, 1], 4, 5)
+    assert r.time_per_minibatch == pytest.approx(r.makespan / 5)
+
+
+def test_write_chrome_trace_measured_and_predicted(tmp_path: Path) -> None:
+    s = build_schedule("flush", [1, 1], 2, 3)
+    r = simulate(s, StageCosts.synthetic(2, 1.0, 2.0))
+    write_chrome_trace(r.events, tmp_path / "sim.json", schedule=s, measured=False, meta={"source": "test"})
+    sim = json.loads((tmp_path / "sim.json").read_text())
+    assert sim["otherData"]["measured"] is False and sim["otherData"]["source"] == "test"
+    assert sim["otherData"]["time_per_minibatch_s"] == pytest.approx(r.time_per_minibatch)
+    assert sim["otherData"]["schedule"] == "flush" and sim["otherData"]["steps"] == 3
+    # One rank's events only (what a worker writes as rankR.json): only that rank's rows.
+    write_chrome_trace(r.timelines[1], tmp_path / "rank1.json", schedule=s, measured=True)
+    one = json.loads((tmp_path / "rank1.json").read_text())
+    assert one["otherData"]["measured"] is True
+    assert {e["pid"] for e in one["traceEvents"]} == {1}
+    xs = [e for e in one["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
+    assert [e["name"] for e in xs] == [str(a) for a in s.workers[1] if a.op in (Op.F, Op.B, Op.STEP)]
+    assert to_chrome_trace(r)["otherData"]["makespan_s"] == pytest.approx(r.makespan)

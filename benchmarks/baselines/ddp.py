@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import common
+from bench_models import BenchModel
+from timing import timed_loop
 from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
 
 
-def run_ddp(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any]:
+def run_ddp(spec: dict[str, Any], bm: BenchModel) -> dict[str, Any]:
     """One DDP replica on samples ``rank::world`` of the fixed minibatch."""
     import torch
     from torch.nn.parallel import DistributedDataParallel
@@ -34,5 +35,5 @@ def run_ddp(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any]:
         opt.step()
         last[0] = float(loss.detach())
 
-    elapsed, times = common.timed_loop(step, spec["warmup"], spec["steps"], sync=barrier)
+    elapsed, times = timed_loop(step, spec["warmup"], spec["steps"], sync=barrier)
     return {"elapsed_s": elapsed, "step_times": times, "loss": last[0], "samples_per_rank": share, **mem}

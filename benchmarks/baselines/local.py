@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import common
+from bench_models import BenchModel, split_stages
+from timing import timed_loop
 from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
 
 
-def run_single(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any]:
+def run_single(spec: dict[str, Any], bm: BenchModel) -> dict[str, Any]:
     """Forward, backward and an SGD step of the whole model on the full batch."""
     import torch
 
@@ -32,7 +33,7 @@ def run_single(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any]:
         opt.step()
         last[0] = float(loss.detach())
 
-    elapsed, times = common.timed_loop(step, spec["warmup"], spec["steps"])
+    elapsed, times = timed_loop(step, spec["warmup"], spec["steps"])
     return {"elapsed_s": elapsed, "step_times": times, "loss": last[0], **mem}
 
 
@@ -48,12 +49,12 @@ def stage_activations(stages: list[Any], inputs: tuple[Any, ...]) -> list[tuple[
     return acts
 
 
-def run_ceiling(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any]:
+def run_ceiling(spec: dict[str, Any], bm: BenchModel) -> dict[str, Any]:
     """Stage ``rank`` alone: forward, backward (to its input too, as a pipeline must) and step."""
     import torch
 
     rank, world = spec["rank"], spec["world"]
-    stages = common.split_stages(bm.layers, world, spec.get("cuts"))
+    stages = split_stages(bm.layers, world, spec.get("cuts"))
     inputs, target = fixed_batch(bm, spec["seed"])
     acts = stage_activations(stages, inputs)
     mod = stages[rank]
@@ -81,5 +82,5 @@ def run_ceiling(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any]:
             torch.autograd.backward(outs, grad_out)
         opt.step()
 
-    elapsed, times = common.timed_loop(step, spec["warmup"], spec["steps"], sync=barrier)
+    elapsed, times = timed_loop(step, spec["warmup"], spec["steps"], sync=barrier)
     return {"elapsed_s": elapsed, "step_times": times, "loss": last[0], **mem}

@@ -5,27 +5,24 @@ For the harness's split, each stage's :class:`pipetrain.simulate.StageCost` gets
 size), ``optimizer_bytes`` 0 (plain SGD keeps no state) and ``activation_bytes`` (the bytes
 autograd saves for backward in one unit's forward, loss included on the last stage, the
 stage's own weights left out, measured with ``torch.autograd.graph.saved_tensors_hooks``). ``pipetrain.simulate.simulate`` then runs the
-schedule (``build_schedule(name, [1, 1], m, steps)``, forward 1 and backward 2 time units
+schedule (``get_schedule(name).build([1, 1], m, steps)``, forward 1 and backward 2 time units
 per stage: only the order of actions matters here) and returns each worker's peak: the
 weights' gradient, the live weight versions and the units in flight.
 
 The prediction is model state only; the measured peak RSS also holds the torch runtime (the
 RSS after ``import torch``, reported beside it), the minibatch, communication buffers and
-allocator slack. The orchestrator calls this once per model before the first round; any
-failure (pipetrain.simulate not there yet) gives ``None``.
+allocator slack. The orchestrator calls this once per model before the first round.
 """
 from __future__ import annotations
 
 from typing import Any, Sequence
 
-import common
+from bench_models import BenchModel, split_stages
 
 MIB = 1024.0 * 1024.0
 
-# The pipetrain schedule that models each harness or pipetrain configuration's memory.
-SIM_SCHEDULE = {("torch_pipe", "gpipe"): "gpipe", ("torch_pipe", "1f1b"): "flush",
-                ("pipetrain", "pipedream"): "pipedream", ("pipetrain", "2bw"): "2bw",
-                ("pipetrain", "flush"): "flush", ("pipetrain", "gpipe"): "gpipe"}
+# The pipetrain schedule that has the order of each torch.distributed.pipelining schedule.
+TORCH_AS_PIPETRAIN = {"gpipe": "gpipe", "1f1b": "flush"}
 
 
 def saved_bytes(stage: Any, inputs: tuple[Any, ...], loss: Any = None, target: Any = None) -> float:
@@ -54,12 +51,12 @@ def saved_bytes(stage: Any, inputs: tuple[Any, ...], loss: Any = None, target: A
     return float(sum(seen.values()))
 
 
-def stage_costs(bm: common.BenchModel, cuts: Sequence[int], units: int, seed: int = 0) -> list[Any]:
+def stage_costs(bm: BenchModel, cuts: Sequence[int], units: int, seed: int = 0) -> list[Any]:
     """One ``StageCost`` per stage for units of ``batch / units`` samples."""
     import torch
     from pipetrain.simulate import StageCost
 
-    stages = common.split_stages(bm.layers, len(cuts) + 1, cuts)
+    stages = split_stages(bm.layers, len(cuts) + 1, cuts)
     inputs, target = bm.make_batch(bm.batch_size // units, torch.Generator().manual_seed(seed + 1))
     costs = []
     x: tuple[Any, ...] = tuple(inputs)
@@ -77,25 +74,24 @@ def stage_costs(bm: common.BenchModel, cuts: Sequence[int], units: int, seed: in
     return costs
 
 
-def predict(bm: common.BenchModel, cuts: Sequence[int], kind: str, schedule: str,
+def predict(bm: BenchModel, cuts: Sequence[int], kind: str, schedule: str,
             microbatches: int, steps: int = 6, cache: dict[int, Any] | None = None) -> list[float] | None:
-    """Predicted peak MiB per worker of a two-stage configuration, or None.
+    """Predicted peak MiB per worker of a ``torch_pipe`` or ``pipetrain`` configuration (else None).
 
     ``cache`` (unit count -> stage costs) saves re-measuring the same unit size.
     """
-    name = SIM_SCHEDULE.get((kind, schedule))
-    if name is None:
-        return None
-    try:
-        from pipetrain.schedule import build_schedule
-        from pipetrain.simulate import StageCosts, simulate
+    from pipetrain.schedule import get_schedule
+    from pipetrain.simulate import StageCosts, simulate
 
-        units = 1 if name == "pipedream" else microbatches
-        cache = {} if cache is None else cache
-        if units not in cache:
-            cache[units] = stage_costs(bm, cuts, units)
-        costs = StageCosts(cache[units])
-        sched = build_schedule(name, [1] * (len(cuts) + 1), microbatches=units, steps=steps)
-        return [b / MIB for b in simulate(sched, costs).peak_memory]
-    except Exception:
+    if kind == "torch_pipe":
+        spec = get_schedule(TORCH_AS_PIPETRAIN[schedule])
+    elif kind == "pipetrain":
+        spec = get_schedule(schedule)
+    else:
         return None
+    units = 1 if spec.unit == "minibatch" else microbatches
+    cache = {} if cache is None else cache
+    if units not in cache:
+        cache[units] = stage_costs(bm, cuts, units)
+    sched = spec.build([1] * (len(cuts) + 1), microbatches=units, steps=steps)
+    return [b / MIB for b in simulate(sched, StageCosts(cache[units])).peak_memory]

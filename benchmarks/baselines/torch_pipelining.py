@@ -1,6 +1,6 @@
 """PyTorch ``torch.distributed.pipelining`` (torch 2.13) on the same two-stage split.
 
-Each rank wraps its half (``common.split_stages``) in a ``PipelineStage`` built from
+Each rank wraps its half (``bench_models.split_stages``) in a ``PipelineStage`` built from
 example *microbatch* tensors (``input_args``/``output_args``: the schedule splits the
 minibatch along dimension 0 into ``m`` chunks), then runs ``ScheduleGPipe`` (all forwards,
 then all backwards) or ``Schedule1F1B`` (one forward, one backward in steady state) with the
@@ -17,12 +17,13 @@ from __future__ import annotations
 
 from typing import Any
 
-import common
+from bench_models import BenchModel, split_stages
+from timing import timed_loop
 from baselines.local import stage_activations
 from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
 
 
-def run_torch_pipe(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any]:
+def run_torch_pipe(spec: dict[str, Any], bm: BenchModel) -> dict[str, Any]:
     """Stage ``rank`` of ScheduleGPipe / Schedule1F1B with ``microbatches`` chunks."""
     import torch
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -30,7 +31,7 @@ def run_torch_pipe(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any
     rank, world, m = spec["rank"], spec["world"], spec["microbatches"]
     if bm.batch_size % m:
         raise SystemExit(f"batch {bm.batch_size} is not divisible by {m} microbatches")
-    stages = common.split_stages(bm.layers, world, spec.get("cuts"))
+    stages = split_stages(bm.layers, world, spec.get("cuts"))
     inputs, target = fixed_batch(bm, spec["seed"])
     mb_acts = stage_activations(stages, tuple(a[: bm.batch_size // m] for a in inputs))
     mod = stages[rank]
@@ -64,7 +65,7 @@ def run_torch_pipe(spec: dict[str, Any], bm: common.BenchModel) -> dict[str, Any
             sched.step(return_outputs=False)
         opt.step()
 
-    elapsed, times = common.timed_loop(step, spec["warmup"], spec["steps"], sync=barrier)
+    elapsed, times = timed_loop(step, spec["warmup"], spec["steps"], sync=barrier)
     trained = bool(before) and not torch.equal(before[0], next(iter(mod.parameters())).detach())
     return {"elapsed_s": elapsed, "step_times": times, "loss": last[0], "static_stage": static,
             "trained": trained, **mem}

@@ -1,7 +1,6 @@
 """Entry point of one measured process: ``python benchmarks/run.py _worker SPEC_JSON``.
 
 ``SPEC_JSON`` holds ``kind`` (``single``, ``ceiling``, ``torch_pipe``, ``ddp``), ``model``,
-``source`` (``pipetrain.models`` or ``local``, fixed by the orchestrator for the whole run),
 ``rank``, ``world``, ``port``, ``steps``, ``warmup``, ``seed``, ``timeout_s``, ``cuts``
 (child indices where stages 1.. begin, null: halves by layers) and, for
 ``torch_pipe``, ``schedule`` (``gpipe`` or ``1f1b``) and ``microbatches``. The worker pins
@@ -19,12 +18,14 @@ import sys
 from datetime import timedelta
 from typing import Any, Callable
 
-import common
+from bench_models import BenchModel, build_bench_model
+from processes import emit_result
+from rss import current_rss_mib, release_memory, reset_peak_rss, rss_mib
 
 LR = 0.01  # SGD learning rate of every configuration (the value does not change the speed)
 
 
-def _runner(kind: str) -> Callable[[dict[str, Any], common.BenchModel], dict[str, Any]]:
+def _runner(kind: str) -> Callable[[dict[str, Any], BenchModel], dict[str, Any]]:
     if kind == "single":
         from baselines.local import run_single
         return run_single
@@ -53,30 +54,30 @@ def main(argv: list[str]) -> int:
             "gloo", init_method=f"tcp://127.0.0.1:{spec['port']}", rank=spec["rank"],
             world_size=spec["world"], timeout=timedelta(seconds=spec["timeout_s"]))
     # The baseline of the memory figures: torch imported, the process group joined.
-    rss_import = common.current_rss_mib()
+    rss_import = current_rss_mib()
     try:
-        bm = common.build_bench_model(spec["model"], seed=spec["seed"], source=spec.get("source"))
-        nparams, source = bm.num_parameters(), bm.source
+        bm = build_bench_model(spec["model"], seed=spec["seed"])
+        nparams = bm.num_parameters()
         out = run(spec, bm)
     finally:
         if spec["world"] > 1 and dist.is_initialized():
             dist.destroy_process_group()
-    out.update(rank=spec["rank"], model_source=source, batch_size=bm.batch_size,
+    out.update(rank=spec["rank"], batch_size=bm.batch_size,
                num_parameters=nparams, threads=torch.get_num_threads(),
-               rss_import_mib=rss_import, rss_peak_mib=common.rss_mib())
-    common.emit_result(out)
+               rss_import_mib=rss_import, rss_peak_mib=rss_mib())
+    emit_result(out)
     return 0
 
 
-def begin_training_phase(bm: common.BenchModel) -> dict[str, Any]:
+def begin_training_phase(bm: BenchModel) -> dict[str, Any]:
     """Drop the whole model (the caller keeps its own stage), reset the peak-RSS count.
 
     Returns ``rss_setup_mib`` (RSS once set up: its stage's weights, the data, torch) and
     whether the peak could be reset (``peak_reset``; if not, the peak includes the build).
     """
-    bm.layers = None
-    common.release_memory()
-    return {"rss_setup_mib": common.current_rss_mib(), "peak_reset": common.reset_peak_rss()}
+    bm.layers = bm.model = None
+    release_memory()
+    return {"rss_setup_mib": current_rss_mib(), "peak_reset": reset_peak_rss()}
 
 
 def barrier() -> None:
@@ -86,7 +87,7 @@ def barrier() -> None:
     dist.barrier()
 
 
-def fixed_batch(bm: common.BenchModel, seed: int) -> tuple[tuple[Any, ...], Any]:
+def fixed_batch(bm: BenchModel, seed: int) -> tuple[tuple[Any, ...], Any]:
     """The one minibatch every step reuses (data generation stays out of the timing)."""
     import torch
 

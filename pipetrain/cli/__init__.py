@@ -1,19 +1,31 @@
 """The ``pipetrain`` command: subcommands that parse arguments and call the library.
 
-Each subcommand lives in its own module here with a ``register(subparsers)`` function that
-adds its parser and sets ``func`` (called with the parsed namespace, returns an exit code).
+Each subcommand lives in its own module here, ``NAME_cmd.py``, with a ``register(subparsers)``
+function that adds its parser and sets ``func`` (called with the parsed namespace, returns an
+exit code); :func:`subcommands` finds them.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
 import os
+import pkgutil
 import sys
 
 from ..errors import PipetrainError
 from ..runtime.launch import reopen_closed_std_fds
 
-SUBCOMMANDS = ["profile", "plan", "simulate", "train"]
+#: Subcommands listed first, in the data flow's order; any other ``NAME_cmd`` module follows.
+_FIRST = ["profile", "plan", "simulate", "train"]
+
+
+def subcommands() -> list[str]:
+    """Every subcommand: the modules ``pipetrain/cli/NAME_cmd.py``, data-flow order first."""
+    found = {m.name[: -len("_cmd")] for m in pkgutil.iter_modules(__path__) if m.name.endswith("_cmd")}
+    return [n for n in _FIRST if n in found] + sorted(found - set(_FIRST))
+
+
+SUBCOMMANDS = subcommands()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,13 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMANDS:
-        try:
-            mod = importlib.import_module(f"{__name__}.{name}_cmd")
-        except ModuleNotFoundError as e:  # a subcommand still being written
-            if e.name != f"{__name__}.{name}_cmd":
-                raise
-            continue
-        mod.register(sub)
+        importlib.import_module(f"{__name__}.{name}_cmd").register(sub)
     return parser
 
 

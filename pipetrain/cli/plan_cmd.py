@@ -2,7 +2,7 @@
 
 Examples::
 
-    pipetrain plan ../shared/profiles/vgg16.txt --workers 16 --bandwidth 10Gbit --cost-model pipedream
+    pipetrain plan tests/data/profiles/vgg16.txt --workers 16 --bandwidth 10Gbit --cost-model pipedream
     pipetrain plan model.json --workers 4,4 --bandwidth 300e9,1.25e9 --compare
     pipetrain plan model.json --workers 8 --memory 16GB --json --output plan.json
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PipetrainError, ProfileError, ScheduleError
+from ..schedule.registry import SCHEDULE_NAMES, ScheduleSpec
 
 
 def register(subparsers: Any) -> None:
@@ -36,11 +37,12 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("plan", nargs="?", help="plan JSON written by `pipetrain plan --output` (omit for synthetic mode)")
     p.add_argument("--schedule", default="pipedream",
-                   help="pipedream, 2bw, flush, gpipe, interleaved, dp, zerobubble (default: pipedream)")
+                   help=f"{', '.join(SCHEDULE_NAMES)} (default: pipedream)")
     p.add_argument("--minibatches", type=int, default=None,
                    help="minibatches (optimizer steps) to simulate; required with a plan, default 1 when synthetic")
     p.add_argument("--microbatches", type=int, default=None,
-                   help="with a plan: microbatches per minibatch (default: the number of stages; 1 for pipedream); "
+                   help="with a plan: microbatches per minibatch (default: the schedule's rule, "
+                        "max(stages, replicas) rounded up to what it accepts; 1 for pipedream); "
                         "synthetic: units flowing through the pipeline (minibatches for pipedream)")
     p.add_argument("--profile", help="profile JSON/TXT the plan was made from (default: plan.extra['profile_path'])")
     p.add_argument("--stages", type=int, help="synthetic mode: number of stages (ranks for interleaved)")
@@ -86,46 +88,30 @@ def _parse_replicas(text: str) -> list[int]:
         raise ScheduleError(f"--replicas must be comma-separated integers such as 2,1,1; got {text!r}") from None
 
 
-def _load_profile(path: str) -> Any:
-    try:
-        from ..profile import load_profile  # type: ignore[attr-defined]
-    except ImportError:
-        load_profile = None
-    if load_profile is not None:
-        return load_profile(path)
-    # Fallback while the profile package has no reader: JSON version 1 only.
-    from ..profile.types import NodeProfile, Profile
+def _options(spec: ScheduleSpec, args: argparse.Namespace) -> dict[str, Any]:
+    """The schedule's options from the flags; a flag the schedule does not take is an error."""
+    from ..schedule import SCHEDULES
 
-    try:
-        d = json.loads(Path(path).read_text())
-        nodes = [NodeProfile(**n) for n in d["nodes"]]
-        return Profile(d.get("model", ""), d.get("batch_size"), nodes, device=d.get("device", "unknown"),
-                       optimizer=d.get("optimizer", "sgd"),
-                       optimizer_state_bytes_per_parameter_byte=d.get("optimizer_state_bytes_per_parameter_byte", 1.0))
-    except FileNotFoundError:
-        raise ProfileError(f"profile file {path!r} does not exist; pass --profile PATH") from None
-    except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ProfileError(f"profile file {path!r} is not a pipetrain profile JSON ({type(e).__name__}: {e})") from None
+    if args.virtual_stages is not None and args.virtual_stages < 1:
+        raise ScheduleError(f"--virtual-stages must be >= 1 (got {args.virtual_stages}); model chunks per rank, "
+                            f"e.g. --virtual-stages 2")
+    given = {"vertical_sync": True if args.vertical_sync else None, "virtual_stages": args.virtual_stages}
+    for option, value in given.items():
+        if value is not None and option not in spec.options:
+            takers = [s.name for s in SCHEDULES.values() if option in s.options]
+            raise ScheduleError(f"--{option.replace('_', '-')} applies to {', '.join(takers)} only, not "
+                                f"{spec.name!r}; drop it")
+    return spec.check_options(given)
 
 
 def _build(args: argparse.Namespace) -> tuple[Any, Any]:
     """(schedule, costs) from the arguments, in plan or synthetic mode."""
-    from ..schedule import build_schedule
+    from ..schedule import get_schedule
     from ..simulate import StageCosts
 
-    name = args.schedule
-    options: dict[str, Any] = {}
-    if args.vertical_sync:
-        if name != "pipedream":
-            raise ScheduleError(f"--vertical-sync applies to pipedream only, not {name!r}; drop it")
-        options["vertical_sync"] = True
-    if args.virtual_stages is not None and name != "interleaved":
-        raise ScheduleError(f"--virtual-stages applies to interleaved only, not {name!r}; drop it")
-    v = args.virtual_stages if args.virtual_stages is not None else 2
-    if v < 1:
-        raise ScheduleError(f"--virtual-stages must be >= 1 (got {v}); model chunks per rank, e.g. --virtual-stages 2")
-    if name == "interleaved":
-        options["virtual_stages"] = v
+    spec = get_schedule(args.schedule)
+    options = _options(spec, args)
+    whole = spec.unit == "minibatch"  # units are whole minibatches (pipedream)
     if args.microbatches is not None and args.microbatches < 1:
         raise ScheduleError(f"--microbatches must be >= 1 (got {args.microbatches})")
     if args.minibatches is not None and args.minibatches < 1:
@@ -135,6 +121,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
 
     if args.plan:
         from ..plan.types import Plan
+        from ..profile import load_profile
 
         plan = Plan.load(args.plan)
         if args.minibatches is None:
@@ -145,17 +132,19 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
         if not args.profile and not Path(profile_path).is_absolute() and not Path(profile_path).exists():
             # A relative path recorded in the plan is relative to the plan file.
             profile_path = Path(args.plan).parent / profile_path
-        profile = _load_profile(str(profile_path))
+        profile = load_profile(str(profile_path))
         replicas = plan.replicas
-        if name == "pipedream":
+        if whole:
             if args.microbatches not in (None, 1):
-                raise ScheduleError("pipedream moves whole minibatches: drop --microbatches (or use flush/2bw)")
+                raise ScheduleError(f"{spec.name} moves whole minibatches: drop --microbatches (or use flush/2bw)")
             m, steps, units = 1, args.minibatches, 1
         else:
-            m = args.microbatches if args.microbatches is not None else max(plan.num_stages, max(replicas))
+            rank_reps = spec.rank_replicas(replicas, options)
+            m = (args.microbatches if args.microbatches is not None
+                 else spec.default_microbatches(len(rank_reps), rank_reps))
             steps, units = args.minibatches, m
         _check_size(len(replicas), m * steps, f"--minibatches {steps}" + (f" x --microbatches {m}" if m > 1 else ""))
-        schedule = build_schedule(name, replicas, m, steps, **options)
+        schedule = spec.build(replicas, m, steps, **options)
         costs = StageCosts.from_plan(plan, profile, units=units, step_time=args.step_time, latency=args.latency)
         return schedule, costs
 
@@ -174,23 +163,23 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
         raise ScheduleError(f"--stages must be >= 1 (got {P})")
     _check_seconds(args.forward_time, "--forward-time")
     _check_seconds(args.backward_time, "--backward-time")
-    replicas = _parse_replicas(args.replicas) if args.replicas else ([1] * P if name != "dp" else [P])
-    if name == "interleaved":
+    replicas = _parse_replicas(args.replicas) if args.replicas else ([P] if spec.one_stage else [1] * P)
+    if not spec.replicates:
         if args.replicas and any(r != 1 for r in replicas):
-            raise ScheduleError(f"interleaved does not replicate stages; drop --replicas (got {args.replicas})")
-        replicas = [1] * (P * v)
-    elif name == "dp":
+            raise ScheduleError(f"{spec.name} does not replicate stages; drop --replicas (got {args.replicas})")
+        replicas = [1] * spec.model_stages(P, options)
+    elif spec.one_stage:
         if len(replicas) != 1:
-            raise ScheduleError(f"dp runs one stage: give --replicas N (one number), got {args.replicas}")
+            raise ScheduleError(f"{spec.name} runs one stage: give --replicas N (one number), got {args.replicas}")
     elif len(replicas) != P:
         raise ScheduleError(f"--replicas lists {len(replicas)} stages but --stages is {P}; give one count per stage")
-    units = args.microbatches * (1 if name == "pipedream" else args.minibatches or 1)
+    units = args.microbatches * (1 if whole else args.minibatches or 1)
     _check_size(len(replicas), units, f"--microbatches {args.microbatches}"
-                + ("" if name == "pipedream" else f" x --minibatches {args.minibatches or 1}"))
-    if name == "pipedream":
-        schedule = build_schedule(name, replicas, 1, args.microbatches, **options)
+                + ("" if whole else f" x --minibatches {args.minibatches or 1}"))
+    if whole:
+        schedule = spec.build(replicas, 1, args.microbatches, **options)
     else:
-        schedule = build_schedule(name, replicas, args.microbatches, args.minibatches or 1, **options)
+        schedule = spec.build(replicas, args.microbatches, args.minibatches or 1, **options)
     costs = StageCosts.synthetic(len(replicas), args.forward_time, args.backward_time, step_time=args.step_time)
     costs.latency = args.latency
     return schedule, costs
@@ -198,7 +187,7 @@ def _build(args: argparse.Namespace) -> tuple[Any, Any]:
 
 def run(args: argparse.Namespace) -> int:
     """Build, validate and simulate the schedule the arguments describe; returns the exit code."""
-    from ..schedule import validate
+    from ..schedule import get_schedule, validate
     from ..simulate import save_gantt, save_trace, simulate, to_chrome_trace
 
     schedule, costs = _build(args)
@@ -217,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(summary))
         return 0
-    units = (f"{summary['steps']} minibatches" if schedule.name == "pipedream"
+    units = (f"{summary['steps']} minibatches" if get_schedule(schedule.name).unit == "minibatch"
              else f"{summary['microbatches']} microbatches x {summary['steps']} minibatches")
     print(f"schedule {summary['schedule']}: {summary['stages']} stages on {summary['workers']} workers "
           f"(replicas {'-'.join(map(str, summary['replicas']))}), {units}")

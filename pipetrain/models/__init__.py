@@ -10,11 +10,13 @@ from __future__ import annotations
 
 from .bundle import ModelBundle, classification_loss, mse_loss, token_loss
 from .loader import load_model, wrap_model
+from .output import output_logits
 from .registry import (
     EXTRA_MODEL_NAMES, MODEL_NAMES, TINY_OPTIONS, build_model, default_batch_size, default_options, get_model,
 )
 
 __all__ = [
     "EXTRA_MODEL_NAMES", "MODEL_NAMES", "ModelBundle", "TINY_OPTIONS", "build_model", "classification_loss",
-    "default_batch_size", "default_options", "get_model", "load_model", "mse_loss", "token_loss", "wrap_model",
+    "default_batch_size", "default_options", "get_model", "load_model", "mse_loss", "output_logits", "token_loss",
+    "wrap_model",
 ]

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..errors import ModelError
+from .output import output_logits
 
 Batch = tuple[tuple[Tensor, ...], Tensor]
 """One synthetic minibatch: ``(inputs, target)``, every tensor with batch dimension 0."""
@@ -35,6 +36,11 @@ class ModelBundle:
             deterministic for a seeded ``torch.Generator``.
         name: the model's name (``"resnet50"``, or the ``module:function`` spec).
         options: the model's options with every default filled in.
+        default_loss: True when ``loss_fn`` is pipetrain's stand-in that goes with the
+            synthetic ``make_batch`` (zoo models, wrapped ``(model, example_batch)``
+            factories), so real data picks the loss from its targets
+            (:func:`pipetrain.data.loss_for_bundle`); False (a bundle a user built) means the
+            author's loss, which always wins.
     """
 
     model: nn.Module
@@ -43,6 +49,7 @@ class ModelBundle:
     make_batch: Callable[[int, torch.Generator], Batch]
     name: str
     options: dict[str, Any] = field(default_factory=dict)
+    default_loss: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.example_inputs, Tensor):
@@ -88,22 +95,23 @@ def check_batch_size(batch_size: Any) -> int:
 
 # ---------------------------------------------------------------------------------------
 # Losses: the mean over the batch (for token models, over every token of the batch, which is
-# the same thing since every sample has the same number of tokens).
+# the same thing since every sample has the same number of tokens). Each takes the model's
+# output as it comes (a tensor, a Hugging Face ModelOutput, a dict or tuple holding the logits).
 
 
-def classification_loss(output: Tensor, target: Tensor) -> Tensor:
+def classification_loss(output: Any, target: Tensor) -> Tensor:
     """Cross entropy of ``(B, classes)`` logits against ``(B,)`` class ids."""
-    return F.cross_entropy(output, target)
+    return F.cross_entropy(output_logits(output), target)
 
 
-def token_loss(output: Tensor, target: Tensor) -> Tensor:
+def token_loss(output: Any, target: Tensor) -> Tensor:
     """Token-level cross entropy of ``(B, T, vocab)`` logits against ``(B, T)`` token ids."""
-    return F.cross_entropy(output.flatten(0, -2), target.flatten())
+    return F.cross_entropy(output_logits(output).flatten(0, -2), target.flatten())
 
 
-def mse_loss(output: Tensor, target: Tensor) -> Tensor:
+def mse_loss(output: Any, target: Tensor) -> Tensor:
     """Mean squared error (the default loss of ``(model, example_batch)`` factories)."""
-    return F.mse_loss(output, target)
+    return F.mse_loss(output_logits(output), target)
 
 
 # ---------------------------------------------------------------------------------------
@@ -242,4 +250,4 @@ def make_bundle(name: str, model: nn.Module, loss_fn: Callable[[Tensor, Tensor],
     """
     size = default_batch_size if batch_size is None else check_batch_size(batch_size)
     return ModelBundle(model=model, example_inputs=example_inputs(make_batch, size),
-                       loss_fn=loss_fn, make_batch=make_batch, name=name, options=dict(options))
+                       loss_fn=loss_fn, make_batch=make_batch, name=name, options=dict(options), default_loss=True)

@@ -23,6 +23,7 @@ from ..errors import ModelError, PipetrainError
 from .bundle import (
     ModelBundle, RandomLikeBatches, TensorSpec, check_batch_size, describe_value, example_inputs, mse_loss,
 )
+from .output import output_logits
 from .registry import get_model
 
 SPEC_FORMAT = "a built-in model name or 'package.module:function'"
@@ -105,7 +106,10 @@ def _shapes(inputs: tuple[Tensor, ...]) -> str:
 def wrap_model(model: nn.Module, example_batch: Any, name: str) -> ModelBundle:
     """Turn ``(model, example_batch)`` into a bundle with an MSE loss and random batches.
 
-    The model runs once on the example batch (without gradients; the CPU random state and
+    The model's output may be a tensor or hold the logits (a Hugging Face ``ModelOutput``, a
+    dict with ``"logits"``, a tuple whose first element is the logits: see
+    :func:`~pipetrain.models.output.output_logits`); the loss reads the logits. The model runs
+    once on the example batch (without gradients; the CPU random state and
     the module's buffers, e.g. batch-norm statistics, are restored afterwards) to learn the
     output's shape and dtype.
     """
@@ -127,6 +131,10 @@ def wrap_model(model: nn.Module, example_batch: Any, name: str) -> ModelBundle:
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             output = model(*inputs)
+            try:   # a Hugging Face ModelOutput, a dict or tuple holding the logits: those count
+                output = output_logits(output)
+            except ModelError:
+                pass
     except Exception as exc:
         raise ModelError(
             f"model {name!r} fails on its own example batch (input shapes {_shapes(inputs)}): {_first_line(exc)}; "
@@ -148,7 +156,8 @@ def wrap_model(model: nn.Module, example_batch: Any, name: str) -> ModelBundle:
             f"(batch {batch}); return a ModelBundle with your own loss_fn and make_batch instead")
     batches = RandomLikeBatches(tuple(TensorSpec.like(t) for t in inputs),
                                 TensorSpec(tuple(output.shape[1:]), output.dtype))
-    return ModelBundle(model=model, example_inputs=inputs, loss_fn=mse_loss, make_batch=batches, name=name)
+    return ModelBundle(model=model, example_inputs=inputs, loss_fn=mse_loss, make_batch=batches, name=name,
+                       default_loss=True)
 
 
 def load_model(spec: str, batch_size: int | None = None, **options: Any) -> ModelBundle:

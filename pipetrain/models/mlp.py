@@ -8,10 +8,13 @@ Layout (``depth`` blocks; the first block reads ``in_features``)::
     Linear(in_features, width), ReLU, Linear(width, width), ReLU, ... [, Linear(width, num_classes)]
 
 Without ``num_classes`` the last block's ``width`` outputs are the class scores, so the
-default model is exactly ``depth`` Linear+ReLU blocks.
+default model is exactly ``depth`` Linear+ReLU blocks. With ``input_shape`` (e.g. ``(1, 28, 28)``
+for Fashion-MNIST images) the model reads samples of that shape and starts with a ``Flatten``;
+``in_features`` is then their product.
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch import nn
@@ -25,6 +28,7 @@ DEFAULTS: dict[str, Any] = {
     "width": 1024,          # hidden features of every block
     "in_features": None,    # input features; None means width
     "num_classes": None,    # None: no head, the last block's width outputs are the classes
+    "input_shape": None,    # per-sample input shape; None means (in_features,); more dims add a Flatten
 }
 DEFAULT_BATCH_SIZE = 64
 
@@ -35,12 +39,26 @@ def _resolve(options: dict[str, Any]) -> Options:
     opts.int("width")
     opts.int("in_features", allow_none=True)
     opts.int("num_classes", allow_none=True)
+    shape = opts.values["input_shape"]
+    if shape is not None:
+        if not (isinstance(shape, (tuple, list)) and shape
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in shape)):
+            raise opts.fail("input_shape", "None or a non-empty sequence of integers >= 1")
+        opts.values["input_shape"] = tuple(shape)
+        flat = math.prod(shape)
+        if opts.values["in_features"] not in (None, flat):
+            raise opts.fail("in_features", f"None or {flat}, the number of values of input_shape={tuple(shape)}")
+        opts.values["in_features"] = flat
     return opts
+
+
+def _input_shape(o: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(o["input_shape"]) if o["input_shape"] is not None else (o["in_features"] or o["width"],)
 
 
 def _build(o: dict[str, Any]) -> nn.Sequential:
     in_features = o["in_features"] or o["width"]
-    layers: list[nn.Module] = []
+    layers: list[nn.Module] = [nn.Flatten()] if len(_input_shape(o)) > 1 else []
     for i in range(o["depth"]):
         layers += [nn.Linear(in_features if i == 0 else o["width"], o["width"]), nn.ReLU()]
     if o["num_classes"] is not None:
@@ -60,9 +78,9 @@ def build_model(**options: Any) -> nn.Sequential:
 
 
 def build(batch_size: int | None = None, **options: Any) -> ModelBundle:
-    """The MLP bundle: random ``(B, in_features)`` inputs, random class ids, cross entropy."""
+    """The MLP bundle: random ``(B, *input_shape)`` inputs, random class ids, cross entropy."""
     o = _resolve(options).values
     classes = o["num_classes"] or o["width"]
     return make_bundle(NAME, _build(o), classification_loss,
-                       ClassificationBatches((o["in_features"] or o["width"],), classes),
+                       ClassificationBatches(_input_shape(o), classes),
                        batch_size, DEFAULT_BATCH_SIZE, o)

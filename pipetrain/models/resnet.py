@@ -11,7 +11,9 @@ two inputs may live on different pipeline stages (the runtime relays the skip te
 
 ``norm`` picks the normalization: ``"batch"`` (torchvision), ``"group"`` (GroupNorm with
 ``gcd(32, channels)`` groups, same parameter count, independent of the microbatch split) or
-``"none"`` (no normalization layer at all).
+``"none"`` (no normalization layer at all). ``in_channels`` (1 for grey images) sets the stem
+convolution's input channels; small images need no change (28 pixels: 14 after the stem, 7
+after the max pool, then 7, 4, 2, 1 through the four stages, averaged to 1x1).
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ DEFAULTS: dict[str, Any] = {
     "layers": (3, 4, 6, 3),  # bottleneck blocks in each of the four stages
     "width": 64,             # stem channels and first stage's bottleneck width (x2 per stage)
     "image_size": 224,       # input height = width, pixels
+    "in_channels": 3,        # input channels (1 for grey images)
     "num_classes": 1000,
     "norm": "batch",         # "batch", "group" or "none"
 }
@@ -79,9 +82,9 @@ class ResNet(nn.Module):
     """torchvision's ResNet with bottleneck blocks, a base width and a choice of norm."""
 
     def __init__(self, layers: tuple[int, ...] = (3, 4, 6, 3), width: int = 64, num_classes: int = 1000,
-                 norm: str = "batch") -> None:
+                 norm: str = "batch", in_channels: int = 3) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
+        self.conv1 = nn.Conv2d(in_channels, width, kernel_size=7, stride=2, padding=3, bias=False)
         self.bn1 = norm_layer(norm, width)
         self.relu = nn.ReLU()
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
@@ -116,13 +119,14 @@ def _resolve(options: dict[str, Any]) -> Options:
     opts.int_tuple("layers", 4)
     opts.int("width")
     opts.int("image_size")
+    opts.int("in_channels")
     opts.int("num_classes")
     opts.choice("norm", NORMS)
     return opts
 
 
 def _build(o: dict[str, Any]) -> ResNet:
-    return ResNet(o["layers"], o["width"], o["num_classes"], o["norm"])
+    return ResNet(o["layers"], o["width"], o["num_classes"], o["norm"], o["in_channels"])
 
 
 def build_model(**options: Any) -> ResNet:
@@ -131,8 +135,9 @@ def build_model(**options: Any) -> ResNet:
 
 
 def build(batch_size: int | None = None, **options: Any) -> ModelBundle:
-    """ResNet on random ``(B, 3, image_size, image_size)`` images with random labels."""
+    """ResNet on random ``(B, in_channels, image_size, image_size)`` images with random labels."""
     o = _resolve(options).values
     s = o["image_size"]
-    return make_bundle(NAME, _build(o), classification_loss, ClassificationBatches((3, s, s), o["num_classes"]),
+    return make_bundle(NAME, _build(o), classification_loss,
+                       ClassificationBatches((o["in_channels"], s, s), o["num_classes"]),
                        batch_size, DEFAULT_BATCH_SIZE, o)

@@ -4,7 +4,7 @@ Example::
 
     >>> from pipetrain.profile.io import load_profile
     >>> from pipetrain.plan import plan, PlanOptions, parse_topology
-    >>> prof = load_profile("../shared/profiles/vgg16.txt")                 # doctest: +SKIP
+    >>> prof = load_profile("tests/data/profiles/vgg16.txt")                # doctest: +SKIP
     >>> p = plan(prof, parse_topology("16", "1.25e9"), PlanOptions(cost_model="pipedream"))
     >>> p.config, p.speedup_over_data_parallel                              # doctest: +SKIP
 """
@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from ..errors import PlanError
 from ..profile.types import Profile
 from .cost import DEFAULT_COST_MODEL, CostParams, data_parallel_time, evaluate_detail, get_cost_model
-from .dag import Dag, build_states, coarsen
+from .dag import Dag, States, build_states, coarsen
 from .memory import SCHEDULES, MemoryModel, stage_memory
 from .partition import Problem, fill_idle, hierarchy_dict, leaves, solve
 from .topology import check_topology
@@ -83,9 +83,9 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _states_for(dag: Dag, topology: Topology, options: PlanOptions):
+def _states_for(dag: Dag, topology: Topology, options: PlanOptions) -> States:
     states = build_states(dag, options.max_states)
-    notes = []
+    notes: list[str] = []
     if states.k > options.max_states:
         states = coarsen(dag, states, options.max_states)
     if len(topology.levels) > 1:

@@ -14,7 +14,7 @@ stages fill the servers in order (:func:`~pipetrain.plan.cost.infer_hierarchy`).
 from __future__ import annotations
 
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..profile.types import Profile
 from .cost import DEFAULT_COST_MODEL, CostParams, data_parallel_time, evaluate_detail
@@ -88,7 +88,7 @@ def _finish(profile: Profile, topology: Topology, stages: list[Stage], method: s
                 extra={"method": method, "hierarchy": ev.hierarchy, "stage_terms": ev.stage_terms})
 
 
-def _by(profile: Profile, topology: Topology, weight: Callable, method: str, cost_model: str,
+def _by(profile: Profile, topology: Topology, weight: Callable[..., Any], method: str, cost_model: str,
         cost_params: CostParams | None) -> Plan:
     t0 = time.perf_counter()
     check_topology(topology)

@@ -158,26 +158,27 @@ class PipeDreamCost(CostModel):
 
     name = "pipedream"
 
-    def term(self, lv, E, Bw, P, Xs, Xe, m):
+    def term(self, lv: LevelCtx, E: Any, Bw: Any, P: Any, Xs: Any, Xe: Any, m: Any) -> np.ndarray:
         m = np.asarray(m, dtype=float)
         D = np.maximum(E, 2.0 * np.maximum(Xs, Xe) / lv.bandwidth)
         s = 4.0 * np.asarray(P, dtype=float) / (lv.bandwidth * lv.unit)
-        return np.maximum(D / m, s * (m - 1.0) / (m * m))
+        return np.asarray(np.maximum(D / m, s * (m - 1.0) / (m * m)))
 
-    def sync(self, lv, P, m):
+    def sync(self, lv: LevelCtx, P: float, m: int) -> float:
         return 4.0 * (m - 1) * P / (m * lv.bandwidth * lv.unit) if m > 1 else 0.0
 
-    def prepare(self, lv, E, Bw, P, Xs, Xe):
+    def prepare(self, lv: LevelCtx, E: np.ndarray, Bw: np.ndarray, P: np.ndarray, Xs: np.ndarray,
+                Xe: np.ndarray) -> dict[str, Any]:
         prep = super().prepare(lv, E, Bw, P, Xs, Xe)
         prep["D"] = np.maximum(prep["E"], 2.0 * np.maximum(prep["Xs"], prep["Xe"]) / lv.bandwidth)
         prep["s"] = 4.0 * prep["P"] / (lv.bandwidth * lv.unit)
         prep["s2"] = prep["s"] * prep["s"]
         return prep
 
-    def _ok1(self, prep, tau):
-        return prep["D"] <= tau  # term(1) = max(D, 0)
+    def _ok1(self, prep: dict[str, Any], tau: float) -> np.ndarray:
+        return np.asarray(prep["D"] <= tau)  # term(1) = max(D, 0)
 
-    def _guess(self, prep, tau):
+    def _guess(self, prep: dict[str, Any], tau: float) -> np.ndarray:
         D, s = prep["D"], prep["s"]
         m_a = np.ceil(D / tau)
         # s (m-1) / m^2 <= tau  <=>  tau m^2 - s m + s >= 0: m >= larger root (decreasing for m >= 2)
@@ -194,27 +195,29 @@ class PipetrainCost(CostModel):
     params: CostParams = CostParams()
     name = "pipetrain"
 
-    def _allreduce(self, lv, P, m):
+    def _allreduce(self, lv: LevelCtx, P: Any, m: Any) -> np.ndarray:
         a = 2.0 * np.asarray(P, dtype=float) / (lv.bandwidth * lv.unit)
         return np.where(m > 1.0, a * (1.0 - 1.0 / m) + 2.0 * self.params.latency * (m - 1.0), 0.0)
 
-    def _comm(self, lv, Xs, Xe):
+    def _comm(self, lv: LevelCtx, Xs: Any, Xe: Any) -> np.ndarray:
         lat = 2.0 * self.params.latency
-        return (np.asarray(Xs) + np.asarray(Xe)) / lv.bandwidth + lat * ((np.asarray(Xs) > 0) * 1.0 + (np.asarray(Xe) > 0) * 1.0)
+        xs, xe = np.asarray(Xs), np.asarray(Xe)
+        return np.asarray((xs + xe) / lv.bandwidth + lat * ((xs > 0) * 1.0 + (xe > 0) * 1.0))
 
-    def term(self, lv, E, Bw, P, Xs, Xe, m):
+    def term(self, lv: LevelCtx, E: Any, Bw: Any, P: Any, Xs: Any, Xe: Any, m: Any) -> np.ndarray:
         m = np.asarray(m, dtype=float)
         exposed = np.maximum(self._allreduce(lv, P, m) - self.params.overlap * np.asarray(Bw, dtype=float), 0.0)
-        return np.maximum(np.asarray(E, dtype=float) + exposed, self._comm(lv, Xs, Xe)) / m
+        return np.asarray(np.maximum(np.asarray(E, dtype=float) + exposed, self._comm(lv, Xs, Xe)) / m)
 
-    def sync(self, lv, P, m):
+    def sync(self, lv: LevelCtx, P: float, m: int) -> float:
         return float(self._allreduce(lv, P, np.float64(m)))
 
-    def total(self, steady, latency_sum):
+    def total(self, steady: float, latency_sum: float) -> float:
         M = self.params.minibatches
         return steady * (1.0 - 1.0 / M) + latency_sum / M
 
-    def prepare(self, lv, E, Bw, P, Xs, Xe):
+    def prepare(self, lv: LevelCtx, E: np.ndarray, Bw: np.ndarray, P: np.ndarray, Xs: np.ndarray,
+                Xe: np.ndarray) -> dict[str, Any]:
         prep = super().prepare(lv, E, Bw, P, Xs, Xe)
         prep["comm"] = self._comm(lv, prep["Xs"], prep["Xe"])
         prep["EC"] = np.maximum(prep["E"], prep["comm"])
@@ -222,10 +225,10 @@ class PipetrainCost(CostModel):
         prep["c"] = self.params.overlap * prep["Bw"]
         return prep
 
-    def _ok1(self, prep, tau):
-        return prep["EC"] <= tau  # term(1) = max(E, comm)
+    def _ok1(self, prep: dict[str, Any], tau: float) -> np.ndarray:
+        return np.asarray(prep["EC"] <= tau)  # term(1) = max(E, comm)
 
-    def _guess(self, prep, tau):
+    def _guess(self, prep: dict[str, Any], tau: float) -> np.ndarray:
         al = self.params.latency
         E, a, c = prep["E"], prep["a"], prep["c"]
         m0 = np.maximum(np.ceil(prep["EC"] / tau), 2.0)

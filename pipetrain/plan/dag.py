@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import numpy as np
 
@@ -165,12 +166,12 @@ def topological_orders(dag: Dag) -> list[list[int]]:
             depth[i] = max(depth[i], depth[p] + 1)
             start[i] = max(start[i], start[p] + float(dag.compute[p]))
 
-    def kahn(key, lifo: bool = False) -> list[int]:
+    def kahn(key: Callable[[int], Any], lifo: bool = False) -> list[int]:
         """Kahn's algorithm taking the smallest key, or the latest enabled node if ``lifo``."""
         indeg = [len(ps) for ps in dag.preds]
         heap = [(0 if lifo else key(i), i) for i in range(n) if indeg[i] == 0]
         heapq.heapify(heap)
-        out = []
+        out: list[int] = []
         counter = 0
         while heap:
             _, i = heapq.heappop(heap)
@@ -182,7 +183,7 @@ def topological_orders(dag: Dag) -> list[list[int]]:
                     heapq.heappush(heap, (-counter if lifo else key(s), s))
         return out
 
-    orders = [list(range(n)), kahn(lambda i: (depth[i], i)), kahn(None, lifo=True), kahn(lambda i: (start[i], i))]
+    orders = [list(range(n)), kahn(lambda i: (depth[i], i)), kahn(lambda i: i, lifo=True), kahn(lambda i: (start[i], i))]
     out = []
     for o in orders:
         rest = [i for i in o if not dag.is_input[i]]
@@ -208,7 +209,7 @@ def build_states(dag: Dag, max_states: int = 4096) -> States:
             masks[row] = np.unpackbits(np.frombuffer(m.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")[:n]
     else:
         exact, total, mode = False, None, "orders"
-        rows = {}
+        rows: dict[bytes, np.ndarray] = {}
         for order in topological_orders(dag):
             cur = np.zeros(n, dtype=bool)
             for pos, v in enumerate(order):

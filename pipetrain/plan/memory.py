@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from ..errors import PlanError
 from ..profile.types import Profile
+from ..schedule.registry import SCHEDULES as SCHEDULE_SPECS
 from .cost import stage_arrays
 from .types import Plan, Stage
 
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
     import numpy as np
     from numpy.typing import ArrayLike
 
-SCHEDULES = ("pipedream", "flush", "2bw", "gpipe")
+#: Schedules with a memory rule (the registry's ``ScheduleSpec.memory_rule``).
+SCHEDULES: tuple[str, ...] = tuple(n for n, s in SCHEDULE_SPECS.items() if s.memory_rule is not None)
 
 
 @dataclass(frozen=True)
@@ -53,22 +55,33 @@ class MemoryModel:
         if int(self.microbatches) < 1:
             raise PlanError(f"microbatches={self.microbatches} must be >= 1")
 
+    @property
+    def rule(self) -> str:
+        """The schedule's memory rule: ``stash``, ``two_versions``, ``one_f_one_b`` or ``all_forwards``."""
+        rule = SCHEDULE_SPECS[self.schedule].memory_rule
+        assert rule is not None  # __post_init__ admits only schedules with a rule
+        return rule
+
+    @property
+    def units_per_minibatch(self) -> int:
+        """Units a minibatch is split into: 1 when the unit is the minibatch, else ``microbatches``."""
+        return 1 if SCHEDULE_SPECS[self.schedule].unit == "minibatch" else int(self.microbatches)
+
     def units(self, workers_from_here: int, replicas: int) -> int:
         """Units (minibatches or microbatches) in flight at one worker of the stage."""
         n = -(-workers_from_here // replicas)
-        if self.schedule == "pipedream":
+        if self.rule == "stash":
             return n
-        if self.schedule == "gpipe":
+        if self.rule == "all_forwards":
             return self.microbatches
         return min(self.microbatches, n)
 
     def copies(self, units: int) -> int:
         """Weight copies held: stashed versions for PipeDream, 2 for 2BW, else 1."""
-        return {"pipedream": max(units, 1), "2bw": 2}.get(self.schedule, 1)
+        return {"stash": max(units, 1), "two_versions": 2}.get(self.rule, 1)
 
     def unit_bytes(self, act: float, inp: float) -> float:
-        m = 1 if self.schedule == "pipedream" else self.microbatches
-        return (act + inp) / m
+        return (act + inp) / self.units_per_minibatch
 
     def bytes(self, params: float, act: float, inp: float, workers_from_here: int, replicas: int) -> float:
         """Bytes per worker of a stage (see the module docstring)."""
@@ -82,14 +95,14 @@ class MemoryModel:
         turn a memory limit into a lower bound on replicas.
         """
         ub = self.unit_bytes(act, inp)
-        if self.schedule == "pipedream":
+        if self.rule == "stash":
             per = params + ub
             room = limit - (1.0 + self.optimizer_state) * params
             if per <= 0:
                 return math.inf if room >= 0 else -1
             return math.floor(room / per) if room >= per else -1
         fixed = (self.copies(1) + 1.0 + self.optimizer_state) * params
-        if self.schedule == "gpipe":
+        if self.rule == "all_forwards":
             return math.inf if fixed + self.microbatches * ub <= limit else -1
         if fixed + self.microbatches * ub <= limit:
             return math.inf
@@ -115,16 +128,16 @@ def max_units_array(model: MemoryModel, params: ArrayLike, act: ArrayLike, inp: 
     import numpy as np
 
     params = np.asarray(params, dtype=float)
-    ub = (np.asarray(act, dtype=float) + np.asarray(inp, dtype=float)) / (1 if model.schedule == "pipedream" else model.microbatches)
+    ub = (np.asarray(act, dtype=float) + np.asarray(inp, dtype=float)) / model.units_per_minibatch
     with np.errstate(divide="ignore", invalid="ignore"):
-        if model.schedule == "pipedream":
+        if model.rule == "stash":
             per = params + ub
             room = limit - (1.0 + model.optimizer_state) * params
             q = np.where(per > 0, np.floor(room / np.where(per > 0, per, 1.0)), np.where(room >= 0, np.inf, -1.0))
             return np.where(q >= 1, q, -1.0)
         fixed = (model.copies(1) + 1.0 + model.optimizer_state) * params
         whole = fixed + model.microbatches * ub <= limit
-        if model.schedule == "gpipe":
+        if model.rule == "all_forwards":
             return np.where(whole, np.inf, -1.0)
         q = np.where(ub > 0, np.floor((limit - fixed) / np.where(ub > 0, ub, 1.0)), -1.0)
         return np.where(whole, np.inf, np.where(q >= 1, q, -1.0))

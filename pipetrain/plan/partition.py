@@ -126,8 +126,8 @@ def _stage_memory_ok(prob: Problem, ys: np.ndarray, z: int, r: int) -> np.ndarra
     params = st.params[z] - st.params[ys]
     act = st.act[z] - st.act[ys]
     need = (mem.copies(units) + 1.0 + mem.optimizer_state) * params + units * (act + st.cut[ys]) / (
-        1 if mem.schedule == "pipedream" else mem.microbatches)
-    return need <= prob.limit
+        mem.units_per_minibatch)
+    return np.asarray(need <= prob.limit)
 
 
 def inner_table(prob: Problem, level: int, E: np.ndarray, BwE: np.ndarray) -> InnerTable:
@@ -219,7 +219,7 @@ class TopLevel:
     Xe: np.ndarray
     Q: np.ndarray | None  # most in-flight units that fit in memory (flat problems), per pair
     starts: np.ndarray     # pairs of state a are pa[starts[a]:starts[a+1]]
-    prep: dict = field(default_factory=dict)  # the cost model's limit-independent arrays
+    prep: dict[str, Any] = field(default_factory=dict)  # the cost model's limit-independent arrays
 
 
 def top_level(prob: Problem, E: np.ndarray, BwE: np.ndarray) -> TopLevel:

@@ -18,11 +18,17 @@ def _order(units: list[int], depth: int, stage: int, num_stages: int) -> list[tu
     return one_f_one_b(units, 1)
 
 
+def check_one_stage(name: str, replicas: list[int]) -> None:
+    """``replicas`` must be ``[N]``: one stage on ``N`` replicas."""
+    if len(replicas) != 1:
+        raise ScheduleError(
+            f"{name} runs one stage on N replicas: replicas must have one entry, got {replicas}; "
+            f"use replicas=[{sum(replicas)}]"
+        )
+
+
 def build_dp(replicas: Sequence[int], microbatches: int, steps: int) -> Schedule:
     """Compute-only data-parallel schedule."""
     reps = check_replicas(replicas)
-    if len(reps) != 1:
-        raise ScheduleError(
-            f"dp runs one stage on N replicas: replicas must have one entry, got {reps}; use replicas=[{sum(reps)}]"
-        )
+    check_one_stage("dp", reps)
     return build_flushed("dp", reps, microbatches, steps, _order)

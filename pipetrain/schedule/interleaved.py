@@ -50,12 +50,14 @@ def interleaved_order(ranks: int, virtual_stages: int, microbatches: int, rank: 
     return out
 
 
-def build_interleaved(replicas: Sequence[int], microbatches: int, steps: int, virtual_stages: int = 2) -> Schedule:
-    """Compute-only interleaved 1F1B: ``replicas`` is ``[1]*(P*v)``, one entry per model chunk."""
+def interleaved_ranks(replicas: Sequence[int], virtual_stages: int) -> int:
+    """Ranks ``P`` of an interleaved pipeline of ``len(replicas)`` chunks, ``virtual_stages`` per rank.
+
+    Raises :class:`ScheduleError` unless ``replicas`` is all 1, its length a multiple of
+    ``virtual_stages`` and ``P >= 2``.
+    """
     reps = check_replicas(replicas)
-    v = int(virtual_stages)
-    if v < 1:
-        raise ScheduleError(f"interleaved needs virtual_stages >= 1 (got {v}); use virtual_stages=2")
+    v = virtual_stages
     if any(r != 1 for r in reps):
         raise ScheduleError(
             f"interleaved does not replicate stages: replicas must be all 1 (one per model chunk), got {reps}; "
@@ -72,13 +74,28 @@ def build_interleaved(replicas: Sequence[int], microbatches: int, steps: int, vi
             f"interleaved needs at least 2 ranks ({len(reps)} stages with virtual_stages={v} make {P} rank); "
             f"use flush or gpipe on one rank, or more stages"
         )
-    if microbatches < 1 or steps < 1:
-        raise ScheduleError(f"interleaved needs microbatches >= 1 and steps >= 1 (got {microbatches}, {steps})")
+    return P
+
+
+def check_interleaved_microbatches(ranks: int, microbatches: int) -> None:
+    """Interleaved runs microbatches in groups of ``ranks``: ``microbatches`` must be a multiple of it."""
+    P = ranks
     if microbatches % P:
         raise ScheduleError(
             f"interleaved runs microbatches in groups of P={P} ranks: microbatches={microbatches} is not a "
             f"multiple of {P}; use microbatches={(microbatches // P + 1) * P}"
         )
+
+
+def build_interleaved(replicas: Sequence[int], microbatches: int, steps: int, virtual_stages: int = 2) -> Schedule:
+    """Compute-only interleaved 1F1B: ``replicas`` is ``[1]*(P*v)``, one entry per model chunk."""
+    v = int(virtual_stages)
+    if v < 1:
+        raise ScheduleError(f"interleaved needs virtual_stages >= 1 (got {v}); use virtual_stages=2")
+    P = interleaved_ranks(replicas, v)
+    if microbatches < 1 or steps < 1:
+        raise ScheduleError(f"interleaved needs microbatches >= 1 and steps >= 1 (got {microbatches}, {steps})")
+    check_interleaved_microbatches(P, microbatches)
     m = microbatches
     stage_ranks = [[k % P] for k in range(P * v)]
     workers: list[list[Action]] = [[] for _ in range(P)]

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Sequence
+from functools import reduce
+from typing import Iterable, Sequence
 
 from ..errors import ScheduleError
 
@@ -38,6 +39,15 @@ def check_replicas(replicas: Sequence[int]) -> list[int]:
     if bad:
         raise ScheduleError(f"every stage needs at least one replica; got replicas={out}; use counts >= 1")
     return out
+
+
+def lcm(values: Iterable[int]) -> int:
+    """Least common multiple of positive counts (``1`` for none): ``lcm([2, 3, 1]) == 6``.
+
+    A PipeDream stage with ``r`` replicas steps once per ``r`` minibatches, so the routing of
+    a replicated pipeline repeats every ``lcm(replicas)`` minibatches.
+    """
+    return reduce(lambda a, b: a * b // math.gcd(a, b), (int(v) for v in values), 1)
 
 
 def stage_ranks_of(replicas: Sequence[int]) -> list[list[int]]:

@@ -24,13 +24,11 @@ version ``k`` of a stage with ``r_s`` replicas holds minibatches ``0 .. k*r_s-1`
 """
 from __future__ import annotations
 
-import math
-from functools import reduce
 from typing import Sequence
 
 from ..errors import ScheduleError
 from .action import Action, Op, Schedule
-from .layout import check_replicas, one_f_one_b, stage_ranks_of, warmup_depth
+from .layout import check_replicas, lcm, one_f_one_b, stage_ranks_of, warmup_depth
 
 
 def build_pipedream(replicas: Sequence[int], steps: int, vertical_sync: bool = False) -> Schedule:
@@ -44,7 +42,7 @@ def build_pipedream(replicas: Sequence[int], steps: int, vertical_sync: bool = F
     reps = check_replicas(replicas)
     if steps < 1:
         raise ScheduleError(f"pipedream needs steps >= 1 minibatches (got {steps}); pass steps=1 or more")
-    period = reduce(lambda a, b: a * b // math.gcd(a, b), reps, 1)
+    period = lcm(reps)
     if steps % period:
         bad = next(k for k, r in enumerate(reps) if steps % r)
         fix = (steps // period + 1) * period

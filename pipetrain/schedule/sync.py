@@ -8,7 +8,7 @@ minibatch ``t`` uses version ``t``.
 """
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .action import Action, Op, Schedule
 from .layout import check_replicas, check_sync_counts, stage_ranks_of, sync_units, warmup_depth
@@ -18,7 +18,7 @@ ReplicaOrder = Callable[[list[int], int, int, int], list[tuple[str, int]]]
 
 
 def build_flushed(name: str, replicas: Sequence[int], microbatches: int, steps: int,
-                  order: ReplicaOrder, options: dict | None = None) -> Schedule:
+                  order: ReplicaOrder, options: dict[str, Any] | None = None) -> Schedule:
     """Compute-only schedule: per minibatch, each replica's ``order``, then one STEP per stage."""
     reps = check_replicas(replicas)
     check_sync_counts(name, reps, microbatches, steps)

@@ -20,10 +20,14 @@ from .action import Action, Op, Schedule
 from .layout import check_replicas, check_sync_counts, one_f_one_b, stage_ranks_of, warmup_depth
 
 
-def build_twobw(replicas: Sequence[int], microbatches: int, steps: int) -> Schedule:
-    """Compute-only PipeDream-2BW schedule over ``steps`` minibatches of ``microbatches`` units."""
-    reps = check_replicas(replicas)
-    check_sync_counts("2bw", reps, microbatches, steps)
+def check_twobw_microbatches(replicas: Sequence[int], microbatches: int) -> None:
+    """2BW's rules on the microbatches of a minibatch (raise :class:`ScheduleError`).
+
+    ``m >= P`` so that two weight versions suffice; ``m`` a multiple of every stage's replica
+    count (each replica runs the same share of every minibatch); and ``m >= r * (depth - 1)``
+    at a replicated stage so that version ``t-1`` exists when minibatch ``t`` starts.
+    """
+    reps = list(replicas)
     m = microbatches
     if m < len(reps):
         raise ScheduleError(
@@ -48,6 +52,14 @@ def build_twobw(replicas: Sequence[int], microbatches: int, steps: int) -> Sched
                 f"which needs microbatches >= {need} for version t-1 to exist when minibatch t starts (got {m}); "
                 f"use microbatches={need}"
             )
+
+
+def build_twobw(replicas: Sequence[int], microbatches: int, steps: int) -> Schedule:
+    """Compute-only PipeDream-2BW schedule over ``steps`` minibatches of ``microbatches`` units."""
+    reps = check_replicas(replicas)
+    check_sync_counts("2bw", reps, microbatches, steps)
+    m = microbatches
+    check_twobw_microbatches(reps, m)
     stage_ranks = stage_ranks_of(reps)
     workers: list[list[Action]] = [[] for _ in range(sum(reps))]
     for k, ranks in enumerate(stage_ranks):

@@ -27,7 +27,11 @@ _SEND_TO_RECV = {Op.SEND_F: (Op.RECV_F, 1), Op.SEND_B: (Op.RECV_B, -1)}
 _RECV_FROM_SEND = {Op.RECV_F: (Op.SEND_F, -1), Op.RECV_B: (Op.SEND_B, 1)}
 
 
-def transfer_key(rank: int, a: Action) -> tuple[int, Op, int, int, int]:
+#: ``(receiving stage, RECV op, unit, sender, receiver)``: one transfer, seen from either end.
+TransferKey = tuple[int, Op, int, int, int]
+
+
+def transfer_key(rank: int, a: Action) -> TransferKey:
     """Identify a transfer from either end: ``(receiving stage, RECV op, unit, sender, receiver)``."""
     if a.op in _SEND_TO_RECV:
         op, d = _SEND_TO_RECV[a.op]
@@ -62,8 +66,8 @@ def check_structure(schedule: Schedule) -> None:
     holders = {k: set(r) for k, r in enumerate(schedule.stage_ranks)}
     compute_rank: dict[tuple[int, int], int] = {}
     counts: Counter[tuple[int, Op, int]] = Counter()
-    sends: Counter[tuple] = Counter()
-    recvs: Counter[tuple] = Counter()
+    sends: Counter[TransferKey] = Counter()
+    recvs: Counter[TransferKey] = Counter()
     allreduces: dict[int, dict[int, list[int]]] = defaultdict(dict)
     for rank, actions in enumerate(schedule.workers):
         done: set[tuple[int, Op, int]] = set()  # (stage, op, unit) already in this list
@@ -167,7 +171,7 @@ def dry_run(schedule: Schedule) -> None:
     """Execute the lists with blocking semantics; raise "schedule deadlocks at ..." if stuck."""
     W = schedule.num_workers
     pcs = [0] * W
-    posted: Counter[tuple] = Counter()
+    posted: Counter[TransferKey] = Counter()
     lists = schedule.workers
     progress = True
     while progress:

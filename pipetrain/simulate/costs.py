@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import PlanError, ProfileError
 from ..plan.types import Plan, Topology
@@ -83,7 +83,7 @@ class StageCosts:
     bandwidth: float = math.inf
     latency: float = 0.0
     topology: Topology | None = None
-    extra: dict = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.stages)

@@ -17,16 +17,19 @@ simulation raises the validator's "schedule deadlocks at ..." error with the mar
 Derived figures (see docs/schedules.md, "Simulator"):
 
 - busy time: time in F/B/I/W/STEP; idle time = makespan - busy (waits, all-reduces).
-- flushed schedules (flush, gpipe, dp, interleaved, zerobubble): ``time_per_minibatch =
-  makespan / steps`` and ``bubble_fraction = 1 - sum(busy) / (workers * makespan)``.
-- pipedream and 2bw (no flush): minibatch ``t`` *leaves* when its last backward at stage 0
-  ends. The steady window runs from the latest first backward of any worker to the earliest
-  last forward of any worker (every worker is alternating 1F1B inside it). Over the middle
-  half of the minibatches leaving inside it (whole periods of ``lcm(replicas)`` for
-  pipedream), ``time_per_minibatch`` is the mean interval between departures and
-  ``bubble_fraction`` the idle share of all workers between the first and last of them.
-  Runs too short for a steady state fall back to the flushed definitions
-  (``steady_window`` is then None).
+- ``time_per_minibatch`` (and ``throughput = 1 / time_per_minibatch``): the one steady-state
+  definition shared with the runtime (:func:`pipetrain.schedule.events.steady_state_time_per_minibatch`):
+  the slowest (rank, stage)'s interval between its first and last STEP per minibatch; with
+  fewer than two steps per stage, ``makespan / steps``. For a flushed schedule both equal
+  the flush-to-flush period.
+- ``bubble_fraction``: for schedules that flush (flush, gpipe, dp, interleaved, zerobubble)
+  ``1 - sum(busy) / (workers * makespan)``. For those that do not (pipedream, 2bw), minibatch
+  ``t`` *leaves* when its last backward at stage 0 ends; the steady window runs from the
+  latest first backward of any worker to the earliest last forward of any worker (every
+  worker is alternating 1F1B inside it), and over the middle half of the minibatches leaving
+  inside it (whole periods of ``lcm(replicas)`` for a minibatch unit) the bubble is the idle
+  share of all workers between the first and last of them (``steady_window``; None, and the
+  flushed definition, when the run is too short).
 - peak memory per worker: weights' gradient + optimizer state, plus, over time, live weight
   versions (a version lives from the step that makes it until it is superseded and no
   longer used) times the stage's weight bytes, plus units in flight (forward started,
@@ -38,13 +41,14 @@ import heapq
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from functools import reduce
 from typing import Any
 
 from ..errors import ScheduleError
-from ..schedule.action import Action, Op, Schedule
-from ..schedule.registry import FLUSHED_SCHEDULES
-from ..schedule.validate import deadlock_error, transfer_key
+from ..schedule.action import Op, Schedule
+from ..schedule.events import Event, steady_state_time_per_minibatch
+from ..schedule.layout import lcm
+from ..schedule.registry import SCHEDULES
+from ..schedule.validate import TransferKey, deadlock_error, transfer_key
 from .costs import StageCosts
 
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W, Op.STEP)
@@ -52,30 +56,12 @@ _BACKWARD_END = (Op.B, Op.W)  # the piece after which a unit's activations are f
 _BACKWARD_START = (Op.B, Op.I)
 
 
-@dataclass(frozen=True)
-class Event:
-    """One action on one worker's timeline: ``kind`` is ``"compute"`` (F/B/I/W/STEP) or ``"comm"``.
-
-    For a SEND, ``start``..``end`` is the transfer on the link (it overlaps compute); for a
-    RECV, the wait from reaching it to the data's arrival; for an ALLREDUCE, the collective.
-    """
-
-    start: float
-    end: float
-    action: Action
-    kind: str
-
-    @property
-    def duration(self) -> float:
-        return self.end - self.start
-
-
 @dataclass
 class SimResult:
     """What :func:`simulate` returns. Times in seconds, memory in bytes."""
 
     schedule: Schedule
-    timelines: list[list[Event]]
+    timelines: list[list[Event]]  # timelines[rank]: that rank's events in list order
     makespan: float
     busy_time: list[float]
     idle_time: list[float]
@@ -93,6 +79,11 @@ class SimResult:
     @property
     def num_workers(self) -> int:
         return len(self.timelines)
+
+    @property
+    def events(self) -> list[Event]:
+        """Every rank's events, rank by rank (what :func:`~pipetrain.schedule.events.write_chrome_trace` takes)."""
+        return [e for tl in self.timelines for e in tl]
 
     def summary(self) -> dict[str, Any]:
         """The figures as a JSON-ready dict (what ``pipetrain simulate --json`` prints)."""
@@ -137,8 +128,8 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     pcs = [0] * W
     clock = [0.0] * W
     timelines: list[list[Event]] = [[] for _ in range(W)]
-    mailbox: dict[tuple, deque[float]] = defaultdict(deque)
-    recv_waiting: dict[tuple, int] = {}
+    mailbox: dict[TransferKey, deque[float]] = defaultdict(deque)
+    recv_waiting: dict[TransferKey, int] = {}
     link_free: dict[tuple[int, int], float] = defaultdict(float)
     ar_ready: dict[tuple[int, int], set[int]] = defaultdict(set)
     heap: list[tuple[float, int, int]] = [(0.0, r, r) for r in range(W) if lists[r]]
@@ -158,7 +149,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
         t = clock[r]
         if a.op in _COMPUTE:
             end = t + costs[a.stage].compute_time(a.op)
-            timelines[r].append(Event(t, end, a, "compute"))
+            timelines[r].append(Event(r, a, t, end))
             clock[r] = end
             pcs[r] += 1
             push(r)
@@ -173,7 +164,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
             dur = costs.transfer_time(nbytes, r, dst)
             serial = dur - (costs.latency if dur > 0 else 0.0)
             link_free[(r, dst)] = start + serial
-            timelines[r].append(Event(start, start + dur, a, "comm"))
+            timelines[r].append(Event(r, a, start, start + dur))
             key = transfer_key(r, a)
             mailbox[key].append(start + dur)
             pcs[r] += 1
@@ -190,7 +181,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
                 continue
             arrival = mailbox[key].popleft()
             end = max(t, arrival)
-            timelines[r].append(Event(t, end, a, "comm"))
+            timelines[r].append(Event(r, a, t, end))
             clock[r] = end
             pcs[r] += 1
             push(r)
@@ -206,7 +197,7 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
                 ga = lists[g][pcs[g]]
                 if ga != a:
                     raise deadlock_error(schedule, pcs, {g: f"expected {a.long}"})
-                timelines[g].append(Event(start, end, ga, "comm"))
+                timelines[g].append(Event(g, ga, start, end))
                 clock[g] = end
                 pcs[g] += 1
                 push(g)
@@ -232,13 +223,18 @@ def _summarise(schedule: Schedule, costs: StageCosts, timelines: list[list[Event
     idle_fraction = 1.0 - sum(busy) / (W * makespan) if makespan > 0 else 0.0
     peak_mem, peak_inflight, peak_versions = _memory(schedule, costs, timelines, makespan)
     exits = _exit_times(schedule, timelines)
-    tpm = makespan / schedule.steps if schedule.steps else makespan
+    # The one definition of steady-state throughput (schedule/events.py), shared with the
+    # runtime; runs with fewer than two steps per stage fall back to makespan / steps.
+    tpm = steady_state_time_per_minibatch((e for tl in timelines for e in tl), schedule.steps)
+    if tpm is None:
+        tpm = makespan / schedule.steps if schedule.steps else makespan
     bubble = idle_fraction
     window = None
-    if schedule.name not in FLUSHED_SCHEDULES:
+    spec = SCHEDULES.get(schedule.name)
+    if spec is not None and not spec.flushes:
         steady = _steady(schedule, timelines, exits)
         if steady is not None:
-            tpm, bubble, window = steady
+            bubble, window = steady
     return SimResult(
         schedule=schedule, timelines=timelines, makespan=makespan, busy_time=busy, idle_time=idle,
         peak_memory=peak_mem, peak_in_flight=peak_inflight, peak_versions=peak_versions,
@@ -263,8 +259,8 @@ def _exit_times(schedule: Schedule, timelines: list[list[Event]]) -> list[float]
 
 
 def _steady(schedule: Schedule, timelines: list[list[Event]],
-            exits: list[float]) -> tuple[float, float, tuple[float, float]] | None:
-    """(time per minibatch, bubble fraction, window) over the steady state, or None if too short."""
+            exits: list[float]) -> tuple[float, tuple[float, float]] | None:
+    """(bubble fraction, window) over the steady state, or None if too short."""
     first_b, last_f = [], []
     for tl in timelines:
         bs = [e.start for e in tl if e.action.op in _BACKWARD_START]
@@ -278,10 +274,8 @@ def _steady(schedule: Schedule, timelines: list[list[Event]],
     if len(inside) < 2:
         return None
     # Whole periods of the routing: with r-way stages the departures repeat every lcm(r).
-    if schedule.name == "pipedream":
-        period = reduce(lambda a, b: a * b // math.gcd(a, b), (len(r) for r in schedule.stage_ranks), 1)
-    else:
-        period = 1
+    spec = SCHEDULES.get(schedule.name)
+    period = lcm(len(r) for r in schedule.stage_ranks) if spec is not None and spec.unit == "minibatch" else 1
     # The middle half of those departures, in whole periods (replicas may need a period or
     # two to fall into step); the whole range if that leaves no period.
     i0, i1 = inside[0], inside[-1]
@@ -295,14 +289,13 @@ def _steady(schedule: Schedule, timelines: list[list[Event]],
     t0, t1 = exits[lo], exits[hi]
     if t1 <= t0:
         return None
-    tpm = (t1 - t0) / span
     busy = 0.0
     for tl in timelines:
         for e in tl:
             if e.kind == "compute":
                 busy += max(0.0, min(e.end, t1) - max(e.start, t0))
     bubble = 1.0 - busy / (len(timelines) * (t1 - t0))
-    return tpm, bubble, (t0, t1)
+    return bubble, (t0, t1)
 
 
 def _memory(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]],

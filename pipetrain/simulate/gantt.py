@@ -13,6 +13,7 @@ from typing import Any
 
 from ..errors import PipetrainError
 from ..schedule.action import Op
+from ..schedule.registry import SCHEDULES
 from .engine import SimResult
 
 COLORS = {
@@ -93,7 +94,8 @@ def save_gantt(result: SimResult, path: str | Path, title: str | None = None, dp
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     if title is None:
-        units = (f"{s.steps} minibatches" if s.microbatches == 1 and s.name == "pipedream"
+        spec = SCHEDULES.get(s.name)
+        units = (f"{s.steps} minibatches" if spec is not None and spec.unit == "minibatch"
                  else f"{s.microbatches} microbatches x {s.steps} minibatch{'es' if s.steps > 1 else ''}")
         kind = "steady-state bubble" if result.steady_window is not None else "bubble"
         title = (f"{s.name}: {s.num_stages} stages on {W} workers, {units}; "
