@@ -292,36 +292,47 @@ def test_optimizer_config_validates_ranges() -> None:
     OptimizerConfig("adam", lr=1e-3, betas=(0.0, 0.99), eps=1e-12, weight_decay=0.0)  # edges that are valid
 
 
-class _Failure:
-    def __init__(self, message: str, timestamp: int) -> None:
-        self.message, self.timestamp, self.exitcode = message, timestamp, 1
+def test_failure_records_name_the_originating_rank() -> None:
+    """Records travel as JSON through a store; the first root failure wins, caused ones name it."""
+    from datetime import timedelta
 
+    import torch.distributed as dist
 
-def test_launcher_reports_the_originating_failure() -> None:
-    from pipetrain.runtime.launch import _originating_failure, _user_error_names
+    from pipetrain.errors import ModelError
+    from pipetrain.runtime.failures import FailureBoard, FailureRecord, WorkerFailure
 
-    # rank 1 reported first, but only that it stopped because rank 0 failed: rank 0 is the cause
-    fails = {1: _Failure("RuntimeError: rank 1 stopped because rank 0 failed: RuntimeConfigError: bad batch", 1),
-             0: _Failure("", 2)}
-    assert _originating_failure(fails) == (0, "RuntimeConfigError: bad batch")
-    # a failure with its own message wins over the ones it brought down
-    fails = {0: _Failure("RuntimeError: rank 0 stopped because rank 2 failed: RuntimeError: boom", 1),
-             2: _Failure("RuntimeError: boom", 2)}
-    assert _originating_failure(fails) == (2, "RuntimeError: boom")
-    assert {"RuntimeConfigError", "ModelError", "PipetrainError"} <= _user_error_names()
-    assert "RuntimeError" not in _user_error_names()
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=10))
+    board = FailureBoard(store)
+    assert board.root() is None
+    board.post(FailureRecord.of(2, RuntimeError("boom\nsecond line")))
+    board.post(FailureRecord.of(0, ConnectionError("peer closed"), caused_by=2))  # brought down by rank 2
+    board.post(FailureRecord.of(1, RuntimeError("later root")))                   # not the first root
+    root = board.root()
+    assert root == FailureRecord(2, "RuntimeError", False, "boom", None)
+    assert board.of_rank(0) == FailureRecord(0, "ConnectionError", False, "peer closed", 2)
+    e = WorkerFailure.of(root)
+    assert (e.rank, e.message, e.user_error, str(e)) == (2, "RuntimeError: boom", False, "rank 2 failed: RuntimeError: boom")
+    user = WorkerFailure.of(FailureRecord.of(1, ModelError("bad option")))
+    assert (user.message, user.user_error) == ("bad option", True)
+    assert FailureRecord.from_json(root.to_json()) == root
 
 
 def test_user_error_in_a_worker_is_reported_as_the_message_alone() -> None:
-    """A PipetrainError raised inside the workers (here: the launcher's own checks switched
-    off) exits 2 with just its message, like the same error found before launch."""
-    code = ("import sys, pipetrain.runtime.preflight as pf\n"
-            "pf.preflight = lambda *a, **k: None\n"
+    """A PipetrainError raised inside the workers (here: the resolved run's model options
+    broken after the launcher's checks) exits 2 with just its message, like the same error
+    found before launch."""
+    code = ("import sys, dataclasses, pipetrain.run.checks as pf\n"
+            "good = pf.preflight\n"
+            "def broken(cfg, world=None):\n"
+            "    run = good(cfg, world)\n"
+            "    opts = dict(run.config.model.options, depth=0)\n"
+            "    return dataclasses.replace(run, config=run.config.replace(model_options=opts))\n"
+            "pf.preflight = broken\n"
             "from pipetrain.cli import main\n"
-            f"sys.exit(main(['train', *{SMALL!r}, '--workers', '2', '--timeout', '30', '--cut', 'nosuch']))\n")
+            f"sys.exit(main(['train', *{SMALL!r}, '--workers', '2', '--timeout', '30']))\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
                        env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert p.returncode == 2, p.stderr
     err = p.stderr.strip().splitlines()
-    assert err[-1].startswith("error: --cut 'nosuch' names no node or module"), p.stderr
+    assert err[-1].startswith("error: mlp option 'depth' must be an integer >= 1"), p.stderr
     assert "Traceback" not in p.stderr and "rank" not in err[-1]

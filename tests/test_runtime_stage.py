@@ -10,9 +10,13 @@ from torch import nn
 from pipetrain.errors import RuntimeConfigError
 from pipetrain.graph import capture
 from pipetrain.models import TINY_OPTIONS, get_model
-from pipetrain.runtime.stage import (
-    boundary_codecs, build_stage_modules, partition_graph, split_by_config, stage_nodes_of_plan,
-)
+from pipetrain.plan.cuts import split_by_config
+from pipetrain.plan.types import Plan
+from pipetrain.runtime.stage import boundary_codecs, build_stage_modules, partition_graph
+
+
+def stage_nodes_of_plan(plan: Plan) -> list[list[str]]:
+    return [list(s.nodes) for s in plan.stages]
 
 pytestmark = pytest.mark.timeout(120)
 CPU = torch.device("cpu")
@@ -167,7 +171,7 @@ def test_split_by_config_is_balanced_and_deterministic() -> None:
 
 
 def test_split_at_cuts_by_module_and_node_name() -> None:
-    from pipetrain.runtime.stage import split_at_cuts, stage_first_nodes
+    from pipetrain.plan.cuts import split_at_cuts, stage_first_nodes
 
     bundle = get_model("gpt", **TINY_OPTIONS.get("gpt", {}))
     captured = capture(bundle.model, bundle.example_inputs)
@@ -220,10 +224,12 @@ def test_fused_linear_accumulates_like_autograd() -> None:
 def test_cut_option_is_checked_against_config_and_plan() -> None:
     from pipetrain.runtime.config import TrainConfig
 
-    assert TrainConfig(cut="blocks.4", config="2-1").cut == "blocks.4"
+    assert TrainConfig.of(cut="blocks.4", config="2-1").parallel.cut == "blocks.4"
     with pytest.raises(RuntimeConfigError, match="makes 2 stages but --config 1-1-1 has 3"):
-        TrainConfig(cut="blocks.4", config="1-1-1")
+        TrainConfig.of(cut="blocks.4", config="1-1-1")
     with pytest.raises(RuntimeConfigError, match="not both"):
-        TrainConfig(cut="blocks.4", plan="p.json")
+        TrainConfig.of(cut="blocks.4", plan="p.json")
     with pytest.raises(RuntimeConfigError, match="--cut takes"):
-        TrainConfig(cut="a,,b")
+        TrainConfig.of(cut="a,,b")
+    with pytest.raises(RuntimeConfigError, match="makes 2 stages but --config 1-1 has 4"):  # 2 chunks per rank
+        TrainConfig.of(cut="blocks.4", config="1-1", schedule="interleaved")

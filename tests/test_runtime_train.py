@@ -19,6 +19,7 @@ import torch
 from pipetrain.graph import capture
 from pipetrain.models import TINY_OPTIONS, get_model
 from pipetrain.plan.types import Plan, Stage
+from pipetrain.run import resolve_run
 from pipetrain.runtime import OptimizerConfig, TrainConfig, WorkerFailure, launch_local, replay_config, single_config
 from pipetrain.schedule.action import Op
 
@@ -36,7 +37,14 @@ def cfg(schedule: str, workers: int, config: str | None = None, **kw: Any) -> Tr
     base: dict[str, Any] = dict(model="mlp", model_options=MLP, batch_size=8, steps=3, optimizer=SGD,
                                 return_state=True, timeout=TIMEOUT, quiet=True)
     base.update(kw)
-    return TrainConfig(schedule=schedule, workers=workers, config=config, **base)
+    return TrainConfig.of(schedule=schedule, workers=workers, config=config, **base)
+
+
+def launch(cfgs: dict[str, TrainConfig]) -> dict[str, Any]:
+    """Resolve every config (once, here) and run them all in one launch."""
+    runs = {name: resolve_run(c) for name, c in cfgs.items()}
+    results = launch_local(list(runs.values()), timeout=TIMEOUT)
+    return {"cfgs": cfgs, "runs": runs, "results": dict(zip(runs, results))}
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -116,8 +124,7 @@ def two_workers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     if importlib.util.find_spec("transformers") is not None:
         runs["hf_flush"] = cfg("flush", 2, "1-1", model="hf-gpt2", model_options=TINY_OPTIONS["hf-gpt2"],
                                batch_size=2, microbatches=2, steps=2)
-    results = launch_local(list(runs.values()), 2, timeout=TIMEOUT)
-    return {"cfgs": runs, "results": dict(zip(runs, results)), "tmp": tmp}
+    return dict(launch(runs), tmp=tmp)
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +137,7 @@ def three_workers(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                                       model_options=RESNET, batch_size=2, steps=3),
         "2bw_3": cfg("2bw", 3, "1-1-1", microbatches=3, batch_size=6, steps=3, optimizer=ADAM),
     }
-    results = launch_local(list(runs.values()), 3, timeout=TIMEOUT)
-    return {"cfgs": runs, "results": dict(zip(runs, results))}
+    return launch(runs)
 
 
 @pytest.fixture(scope="module")
@@ -140,8 +146,7 @@ def four_workers() -> dict[str, Any]:
         "flush_1_2_1": cfg("flush", 4, "1-2-1", microbatches=4),
         "pipedream_vsync_2_1_1": cfg("pipedream", 4, "2-1-1", steps=4, vertical_sync=True),
     }
-    results = launch_local(list(runs.values()), 4, timeout=TIMEOUT)
-    return {"cfgs": runs, "results": dict(zip(runs, results))}
+    return launch(runs)
 
 
 SYNC_TWO = ["flush", "gpipe_adam", "dp", "interleaved", "zerobubble", "flush_clip_cosine", "resnet_flush", "straight"]
@@ -150,72 +155,71 @@ ASYNC_TWO = ["pipedream", "pipedream_vsync", "2bw", "pipedream_clip", "gpt_piped
 
 @pytest.mark.parametrize("name", SYNC_TWO)
 def test_sync_schedules_equal_single_process(two_workers: dict[str, Any], name: str) -> None:
-    c, r = two_workers["cfgs"][name], two_workers["results"][name]
-    ref = single_config(c)
-    assert_params_close(r["state"], ref.state)
-    assert r["losses"] == pytest.approx(ref.losses, rel=1e-5)
-    assert r["steps"] == c.steps and r["workers"] == 2 and len(r["losses"]) == c.steps
+    run, r = two_workers["runs"][name], two_workers["results"][name]
+    ref = single_config(run)
+    assert_params_close(r.state, ref.state)
+    assert r.losses == pytest.approx(ref.losses, rel=1e-5)
+    steps = run.config.training.steps
+    assert r.steps == steps and r.workers == 2 and len(r.losses) == steps
 
 
 @pytest.mark.parametrize("name", ASYNC_TWO)
 def test_async_schedules_equal_replay(two_workers: dict[str, Any], name: str) -> None:
-    c, r = two_workers["cfgs"][name], two_workers["results"][name]
-    rep, _ = replay_config(c, 2)
-    assert_params_close(r["state"], rep.params)
+    run, r = two_workers["runs"][name], two_workers["results"][name]
+    rep = replay_config(run)
+    assert_params_close(r.state, rep.params)
     # stale weights really differ from synchronous training (the check can fail)
-    single = single_config(c)
-    assert max(rel_err(r["state"][n], single.state[n]) for n in rep.params) > 1e-4
+    single = single_config(run)
+    assert max(rel_err(r.state[n], single.state[n]) for n in rep.params) > 1e-4
 
 
 def test_hugging_face_model_trains_through_the_pipeline(two_workers: dict[str, Any]) -> None:
     if "hf_flush" not in two_workers["results"]:
         pytest.skip("transformers is not installed")
-    c, r = two_workers["cfgs"]["hf_flush"], two_workers["results"]["hf_flush"]
-    assert_params_close(r["state"], single_config(c).state)
+    run, r = two_workers["runs"]["hf_flush"], two_workers["results"]["hf_flush"]
+    assert_params_close(r.state, single_config(run).state)
 
 
 def test_weight_versions_are_released(two_workers: dict[str, Any], three_workers: dict[str, Any]) -> None:
     for fixture, name, workers in [(two_workers, "pipedream", 2), (two_workers, "pipedream_vsync", 2),
                                    (two_workers, "2bw", 2), (three_workers, "resnet_relay_pipedream", 3),
                                    (two_workers, "flush", 2)]:
-        c, r = fixture["cfgs"][name], fixture["results"][name]
-        rep, info = replay_config(c, workers)
-        sched = info["schedules"][-1]
-        for stage, peak in r["peak_versions"].items():
+        run, r = fixture["runs"][name], fixture["results"][name]
+        sched = run.schedule
+        assert run.world_size == workers
+        for stage, peak in r.peak_versions.items():
             k = int(stage)
             rank = sched.stage_ranks[k][0]
             assert peak <= in_flight_bound(sched, rank, k), (name, stage, peak)
         # after the run only the newest version is alive
-        assert set(r["alive_versions"].values()) == {1}, (name, r["alive_versions"])
-        if c.schedule == "flush":
-            assert max(r["peak_versions"].values()) <= 2
+        assert set(r.alive_versions.values()) == {1}, (name, r.alive_versions)
+        if run.spec.flushes and not run.spec.splits_backward:
+            assert max(r.peak_versions.values()) <= 2
 
 
 @pytest.mark.parametrize("name", ["pipedream_2_1", "resnet_relay_pipedream", "2bw_3"])
 def test_three_worker_async_equal_replay(three_workers: dict[str, Any], name: str) -> None:
-    c, r = three_workers["cfgs"][name], three_workers["results"][name]
-    rep, _ = replay_config(c, 3)
-    assert_params_close(r["state"], rep.params)
+    run, r = three_workers["runs"][name], three_workers["results"][name]
+    assert_params_close(r.state, replay_config(run).params)
 
 
 def test_replicated_flush_2_1_equals_single_process(three_workers: dict[str, Any]) -> None:
-    c, r = three_workers["cfgs"]["flush_2_1"], three_workers["results"]["flush_2_1"]
-    assert r["config"] == "2-1"
-    assert_params_close(r["state"], single_config(c).state)
+    run, r = three_workers["runs"]["flush_2_1"], three_workers["results"]["flush_2_1"]
+    assert r.config == "2-1"
+    assert_params_close(r.state, single_config(run).state)
 
 
 def test_four_workers(four_workers: dict[str, Any]) -> None:
-    c, r = four_workers["cfgs"]["flush_1_2_1"], four_workers["results"]["flush_1_2_1"]
-    assert r["config"] == "1-2-1"
-    assert_params_close(r["state"], single_config(c).state)
-    c, r = four_workers["cfgs"]["pipedream_vsync_2_1_1"], four_workers["results"]["pipedream_vsync_2_1_1"]
-    rep, _ = replay_config(c, 4)
-    assert_params_close(r["state"], rep.params)
+    run, r = four_workers["runs"]["flush_1_2_1"], four_workers["results"]["flush_1_2_1"]
+    assert r.config == "1-2-1"
+    assert_params_close(r.state, single_config(run).state)
+    run, r = four_workers["runs"]["pipedream_vsync_2_1_1"], four_workers["results"]["pipedream_vsync_2_1_1"]
+    assert_params_close(r.state, replay_config(run).params)
 
 
 def test_saved_checkpoint_loads_in_one_process(two_workers: dict[str, Any]) -> None:
-    c, r = two_workers["cfgs"]["first_half"], two_workers["results"]["first_half"]
-    path = Path(c.save)
+    run, r = two_workers["runs"]["first_half"], two_workers["results"]["first_half"]
+    path = Path(str(run.config.checkpoint.save))
     assert path.exists() and Path(str(path) + ".trainer").exists()
     torch.manual_seed(0)
     b = get_model("mlp", batch_size=8, **MLP)
@@ -224,22 +228,23 @@ def test_saved_checkpoint_loads_in_one_process(two_workers: dict[str, Any]) -> N
     x = torch.randn(5, MLP["in_features"])
     from torch.func import functional_call
 
-    torch.testing.assert_close(b.model(x), functional_call(b.model, r["state"], (x,)))
-    assert_params_close(sd, single_config(c).state)
+    torch.testing.assert_close(b.model(x), functional_call(b.model, r.state, (x,)))
+    assert_params_close(sd, single_config(run).state)
 
 
 def test_resume_continues_exactly(two_workers: dict[str, Any]) -> None:
     c = two_workers["cfgs"]["first_half"]
     straight = two_workers["results"]["straight"]
-    resumed = launch_local([replace(c, resume=c.save, save=None, steps=2)], 2, timeout=TIMEOUT)[0]
-    assert resumed["start_step"] == 2
-    assert_params_close(resumed["state"], straight["state"], tol=1e-6)
-    assert resumed["losses"] == pytest.approx(straight["losses"][2:], rel=1e-6)
+    again = c.replace(resume=c.checkpoint.save, save=None, steps=2)
+    resumed = launch_local([resolve_run(again)], timeout=TIMEOUT)[0]
+    assert resumed.start_step == 2
+    assert_params_close(resumed.state, straight.state, tol=1e-6)
+    assert resumed.losses == pytest.approx(straight.losses[2:], rel=1e-6)
 
 
 def test_failing_rank_is_named() -> None:
     with pytest.raises(WorkerFailure, match="rank 1 failed: RuntimeError: debug failure injected on rank 1") as e:
-        launch_local([cfg("pipedream", 2, "1-1", steps=4, debug_fail="1:2")], 2, timeout=TIMEOUT)
+        launch_local([resolve_run(cfg("pipedream", 2, "1-1", steps=4, debug_fail="1:2"))], timeout=TIMEOUT)
     assert e.value.rank == 1 and not e.value.user_error
 
 
@@ -248,12 +253,15 @@ def test_stuck_rank_times_out_instead_of_hanging() -> None:
 
     t = time.monotonic()
     with pytest.raises(WorkerFailure, match="rank 0 failed: .*[Tt]imed out"):
-        launch_local([cfg("flush", 2, "1-1", microbatches=2, debug_fail="1:1:hang", timeout=8)], 2, timeout=8)
+        launch_local([resolve_run(cfg("flush", 2, "1-1", microbatches=2, debug_fail="1:1:hang", timeout=8))], timeout=8)
     assert time.monotonic() - t < 60
 
 
 def test_user_error_in_worker_is_one_line() -> None:
-    bad = cfg("flush", 2, "1-1", microbatches=2, model_options=dict(MLP, depth=0))
+    """A user error raised inside a worker (here the resolved run's model options are broken
+    after resolution) arrives as a structured record: its message alone, marked a user error."""
+    run = resolve_run(cfg("flush", 2, "1-1", microbatches=2))
+    bad = replace(run, config=run.config.replace(model_options=dict(MLP, depth=0)))
     with pytest.raises(WorkerFailure, match="mlp option 'depth' must be an integer >= 1") as e:
-        launch_local([bad], 2, timeout=TIMEOUT)
-    assert e.value.user_error
+        launch_local([bad], timeout=TIMEOUT)
+    assert e.value.user_error and e.value.rank in (0, 1)

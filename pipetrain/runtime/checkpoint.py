@@ -27,7 +27,7 @@ from torch import Tensor
 
 from ..errors import RuntimeConfigError
 
-__all__ = ["TrainerState", "save_checkpoint", "load_checkpoint", "trainer_path"]
+__all__ = ["TrainerState", "save_checkpoint", "load_checkpoint", "trainer_path", "check_resumable"]
 
 FORMAT = "pipetrain-trainer"
 VERSION = 1
@@ -126,3 +126,20 @@ def load_torch_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str
             elif isinstance(v, Tensor):
                 d[k] = v.to(p.device).clone()
         optimizer.state[p] = d
+
+
+def check_resumable(path: str, trainer: TrainerState, cfg: Any) -> None:
+    """A checkpoint continues only the same model (and options) with the same optimizer.
+
+    ``cfg`` is the run's :class:`~pipetrain.runtime.config.TrainConfig`. Raises a one-line
+    RuntimeConfigError naming what differs and the flags to pass.
+    """
+    model, options = cfg.model.name, dict(cfg.model.options)
+    if trainer.model != model or trainer.model_options != options:
+        raise RuntimeConfigError(
+            f"checkpoint {path} is for model {trainer.model} {trainer.model_options}, not {model} {options}; "
+            f"resume with the same --model and --option values")
+    if trainer.optimizer.get("name") != cfg.optimizer.name:
+        raise RuntimeConfigError(
+            f"checkpoint {path} was trained with {trainer.optimizer.get('name')}, not {cfg.optimizer.name}; "
+            f"resume with --optimizer {trainer.optimizer.get('name')}")

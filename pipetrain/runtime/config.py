@@ -1,10 +1,31 @@
-"""The typed configuration of one training run, with validation.
+"""The typed configuration of one training run, in sections, with validation.
 
-:class:`TrainConfig` holds everything ``pipetrain train`` accepts; each field documents its
-unit and default. ``__post_init__`` checks each field alone; :meth:`TrainConfig.check_counts`
-checks the combinations that need the number of stages (batch divisible by microbatches...).
-Every failure is a one-line :class:`~pipetrain.errors.RuntimeConfigError` with the rule, the
-values and the fix.
+:class:`TrainConfig` is a set of frozen sections, the shape of torchtitan's ``JobConfig``::
+
+    TrainConfig
+      model        ModelSection        which model, with which options
+      parallel     ParallelSection     workers, plan / --config / --cut, schedule and its options
+      training     TrainingSection     steps, batch, seed, learning-rate schedule, clipping
+      optimizer    OptimizerConfig     torch.optim's hyper-parameters
+      checkpoint   CheckpointSection   --save / --resume
+      output       OutputSection       trace, progress lines, --json
+      performance  PerformanceSection  threads, timeouts, allocator and kernel knobs
+      debug        DebugSection        test hooks, not shown in --help
+
+Every field is declared with :func:`setting`: its default, its documentation, and how it
+appears on the command line (:class:`Flag`: the flag, its parser, choices, hidden or not).
+``pipetrain train``'s arguments are derived from these declarations
+(:func:`pipetrain.cli.train_cmd.register`), so adding a field to a section adds its flag.
+Each field also has a *flat key* (its name, unless declared otherwise: ``model``,
+``model_options``, ``optimizer``), unique over all sections, used by
+``TrainConfig.of(steps=3, lr=0.1, schedule='flush')`` and ``cfg.replace(...)``.
+
+Each section checks its own fields in ``__post_init__``; :class:`TrainConfig` checks the
+combinations (``--plan`` with ``--config``, a schedule option given to a schedule without it,
+...) by asking the schedule's :class:`~pipetrain.schedule.ScheduleSpec`. Checks that need
+the model or the number of workers happen when the run is resolved
+(:func:`pipetrain.run.resolve_run`). Every failure is a one-line
+:class:`~pipetrain.errors.RuntimeConfigError` with the rule, the values and the fix.
 
 Learning-rate schedules are given as ``NAME[:key=value,...]``:
 
@@ -19,20 +40,85 @@ the stage (a PipeDream stage with ``r`` replicas steps once per ``r`` minibatche
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Callable, Iterator, Mapping
 
-from ..errors import RuntimeConfigError
+from ..errors import PipetrainError, RuntimeConfigError
+from ..schedule.registry import SCHEDULE_NAMES
 
-#: Schedules whose every forward of minibatch ``t`` uses version ``t`` (no staleness).
-SYNC_SCHEDULES = frozenset({"flush", "gpipe", "dp", "interleaved", "zerobubble"})
-#: Schedules with stale weights (weight stashing / double buffering).
-ASYNC_SCHEDULES = frozenset({"pipedream", "2bw"})
-SCHEDULES = tuple(sorted(SYNC_SCHEDULES | ASYNC_SCHEDULES))
 OPTIMIZERS = ("sgd", "adam", "adamw")
+#: The schedule a run uses unless told: the registry's first, PipeDream's 1F1B with weight
+#: stashing (tests/test_runtime_config.py checks it).
+DEFAULT_SCHEDULE: str = SCHEDULE_NAMES[0]
 LR_SCHEDULES = ("constant", "step", "cosine")
 DEVICES = ("cpu", "cuda")
+
+__all__ = [
+    "Flag", "setting", "settings", "SECTIONS", "TrainConfig", "ModelSection", "ParallelSection", "TrainingSection",
+    "OptimizerConfig", "CheckpointSection", "OutputSection", "PerformanceSection", "DebugSection", "LRSchedule",
+    "parse_config", "parse_cut", "parse_debug_fail", "parse_model_option", "OPTIMIZERS", "LR_SCHEDULES", "DEVICES",
+]
+
+
+# --------------------------------------------------------------------------- declaring fields
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How one configuration field is documented and appears on the command line.
+
+    Attributes:
+        help: the field's documentation (also its ``--help`` text).
+        flag: the command-line flag (``--lr``); ``None`` for fields set from Python only.
+        key: the flat key (``TrainConfig.of``), unique over all sections; filled in with the
+            field's name by :func:`settings` when not declared.
+        kind: ``value`` (takes an argument), ``true`` (a switch setting True), ``false``
+            (a switch setting False, e.g. ``--no-fused-grads``), ``append`` (repeatable).
+        type: argparse's type for ``value`` flags (``int``, ``float``; default ``str``).
+        convert: turns the parsed argument into the field's value (raises RuntimeConfigError).
+        choices, metavar: as in argparse.
+        hidden: accepted but not shown in ``--help`` (test hooks, expert knobs).
+        exclusive: flags with the same group name are mutually exclusive.
+        schedule_option: the field is an option of the schedule builder
+            (:attr:`ScheduleSpec.options`), passed when set to a non-default value.
+    """
+
+    help: str
+    flag: str | None = None
+    key: str = ""
+    kind: str = "value"
+    type: Callable[[str], Any] | None = None
+    convert: Callable[[Any], Any] | None = None
+    choices: tuple[str, ...] | None = None
+    metavar: str | None = None
+    hidden: bool = False
+    exclusive: str | None = None
+    schedule_option: bool = False
+
+
+_AUTO = "--"
+
+
+def setting(default: Any = None, help: str = "", *, flag: str | None = _AUTO, factory: Callable[[], Any] | None = None,
+            **flag_kw: Any) -> Any:
+    """A dataclass field with its :class:`Flag` (``flag=_AUTO``: ``--`` + the key with dashes)."""
+    meta = {"flag": Flag(help=help, flag=flag, **flag_kw)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def settings(section: Any) -> Iterator[tuple[dataclasses.Field[Any], Flag]]:
+    """The fields of a section class with their :class:`Flag` (key and flag name filled in)."""
+    for f in fields(section):
+        fl: Flag | None = f.metadata.get("flag")
+        if fl is None:
+            continue
+        key = fl.key or f.name
+        name = fl.flag if fl.flag != _AUTO else "--" + key.replace("_", "-")
+        yield f, dataclasses.replace(fl, key=key, flag=name)
 
 
 @dataclass(frozen=True)
@@ -89,18 +175,30 @@ class LRSchedule:
         return self.min_lr + (base_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _betas(text: Any) -> tuple[float, float]:
+    if isinstance(text, (tuple, list)):
+        return tuple(text)  # type: ignore[return-value]
+    try:
+        betas = tuple(float(x) for x in str(text).split(","))
+    except ValueError:
+        betas = ()
+    if len(betas) != 2:
+        raise RuntimeConfigError(f"--betas takes two numbers like 0.9,0.999, got {text!r}")
+    return betas[0], betas[1]
+
+
 @dataclass(frozen=True)
 class OptimizerConfig:
     """Optimizer hyper-parameters, with torch.optim's meaning and defaults."""
 
-    name: str = "sgd"                   # sgd | adam | adamw
-    lr: float = 0.01                    # base learning rate
-    momentum: float = 0.0               # sgd momentum
-    dampening: float = 0.0              # sgd dampening
-    nesterov: bool = False              # sgd Nesterov momentum
-    weight_decay: float = 0.0           # L2 (sgd, adam) or decoupled (adamw)
-    betas: tuple[float, float] = (0.9, 0.999)   # adam/adamw
-    eps: float = 1e-8                   # adam/adamw
+    name: str = setting("sgd", "optimizer", key="optimizer", choices=OPTIMIZERS)
+    lr: float = setting(0.01, "base learning rate", type=float)
+    momentum: float = setting(0.0, "SGD momentum", type=float)
+    dampening: float = setting(0.0, "SGD dampening", flag=None)
+    nesterov: bool = setting(False, "SGD Nesterov momentum", kind="true")
+    weight_decay: float = setting(0.0, "weight decay: L2 (sgd, adam) or decoupled (adamw)", type=float)
+    betas: tuple[float, float] = setting((0.9, 0.999), "Adam betas (default: 0.9,0.999)", convert=_betas, metavar="B1,B2")
+    eps: float = setting(1e-8, "Adam epsilon", type=float)
 
     def __post_init__(self) -> None:
         if self.name not in OPTIMIZERS:
@@ -132,130 +230,340 @@ class OptimizerConfig:
                 f"pass --momentum 0.9 with --nesterov")
 
 
-@dataclass
-class TrainConfig:
-    """One training run (the ``pipetrain train`` options).
+# --------------------------------------------------------------------------- command-line parsers
 
-    A *step* is one minibatch of ``batch_size`` samples and one optimizer step of the last
-    stage. ``microbatches`` splits each minibatch into units for the microbatched schedules
-    (``pipedream`` moves whole minibatches, so it needs 1).
-    """
 
-    model: str = "mlp"                                  # zoo name or package.module:function
-    model_options: dict[str, Any] = field(default_factory=dict)   # --option key=value
-    workers: int | None = None                          # processes (ranks); None: from the plan/config, else 1
-    plan: str | None = None                             # plan JSON (pipetrain plan --output)
-    config: str | None = None                           # replicas per stage, e.g. "2-1-1"
-    cut: str | None = None                              # where stages 1.. begin: "NAME[,NAME...]" (node or module)
-    schedule: str = "pipedream"                         # see SCHEDULES
-    batch_size: int | None = None                       # samples per minibatch (None: model default)
-    microbatches: int | None = None                     # units per minibatch (None: 1 for pipedream, else workers)
-    steps: int = 10                                     # minibatches to train (timed)
-    warmup_steps: int = 0                               # extra untimed minibatches first (benchmarks)
-    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
-    lr_schedule: LRSchedule = field(default_factory=LRSchedule)
-    clip_grad_norm: float | None = None                 # max gradient 2-norm (None: no clipping)
-    seed: int = 0                                       # model init and data (batch t uses seed + t)
-    vertical_sync: bool = False                         # pipedream: vertical sync of versions
-    virtual_stages: int = 2                             # interleaved: model chunks per rank
-    device: str = "cpu"                                 # cpu (gloo) | cuda (NCCL)
-    save: str | None = None                             # checkpoint path written at the end
-    resume: str | None = None                           # checkpoint path to continue from
-    trace: str | None = None                            # directory for Chrome traces
-    log_every: int = 10                                 # print the loss every n steps (0: never)
-    timeout: float = 120.0                              # seconds any collective/receive may wait
-    threads: int | None = 1                             # torch threads per worker on CPU (None: torch default)
-    lookahead: int = 8                                  # actions ahead to post receives for
-    tune_malloc: bool = True                            # keep freed pages (glibc mallopt), see worker.tune_malloc
-    fused_grads: bool = True                            # Linear weight grads accumulated in the GEMM (fused.py)
-    quiet: bool = False                                 # no progress lines
-    log_to_stderr: bool = False                         # progress lines on stderr (--json keeps stdout clean)
-    debug_fail: str | None = None                       # hidden: "RANK:STEP" makes RANK raise at STEP
-    return_state: bool = False                          # library/tests: gather final parameters
+def _model_options(items: Any) -> dict[str, Any]:
+    """``["depth=4", "width=16"]`` (repeated ``--option``) -> ``{"depth": 4, "width": 16}``."""
+    if isinstance(items, Mapping):
+        return dict(items)
+    return dict(parse_model_option(str(o)) for o in items)
+
+
+def _threads(value: int | None) -> int | None:
+    """``--threads 0`` means torch's default (None)."""
+    return None if value == 0 else value
+
+
+def _lr_schedule(value: Any) -> "LRSchedule":
+    return value if isinstance(value, LRSchedule) else LRSchedule.parse(str(value))
+
+
+def _microbatched() -> str:
+    """The schedules whose unit is a microbatch, for messages: ``flush, gpipe or 2bw``."""
+    from ..schedule import SCHEDULES
+
+    names = [s.name for s in SCHEDULES.values() if s.unit == "microbatch"]
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else "".join(names)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    """Which model to train."""
+
+    name: str = setting("mlp", "zoo model (mlp, alexnet, vgg16, resnet50, gnmt, gpt, hf-gpt2) or "
+                               "package.module:function", key="model")
+    options: Mapping[str, Any] = setting(
+        None, "model option, repeatable (e.g. --option depth=4 --option width=256)", factory=dict,
+        key="model_options", flag="--option", kind="append", convert=_model_options, metavar="KEY=VALUE")
 
     def __post_init__(self) -> None:
-        if isinstance(self.optimizer, dict):
-            self.optimizer = OptimizerConfig(**self.optimizer)
-        if isinstance(self.lr_schedule, str):
-            self.lr_schedule = LRSchedule.parse(self.lr_schedule)
-        self.schedule = str(self.schedule).lower()
-        if self.schedule not in SCHEDULES:
-            raise RuntimeConfigError(f"unknown schedule {self.schedule!r}; valid schedules: {', '.join(SCHEDULES)}")
-        for name in ("steps", "virtual_stages", "lookahead"):
-            _positive_int(name, getattr(self, name))
-        if self.workers is not None:
-            _positive_int("workers", self.workers)
-        _positive_int("warmup_steps", self.warmup_steps, minimum=0)
-        _positive_int("log_every", self.log_every, minimum=0)
-        if self.batch_size is not None:
-            _positive_int("batch_size", self.batch_size)
-        if self.microbatches is not None:
-            _positive_int("microbatches", self.microbatches)
-        if self.threads is not None:
-            _positive_int("threads", self.threads)
+        if not isinstance(self.name, str) or not self.name:
+            raise RuntimeConfigError(f"--model takes a zoo name or package.module:function, got {self.name!r}")
+        object.__setattr__(self, "options", _model_options(self.options))
+
+
+@dataclass(frozen=True)
+class ParallelSection:
+    """How the model is split over workers and which schedule runs it.
+
+    ``plan``, ``config`` and ``cut`` choose the stages (at most one of ``plan`` / ``config``;
+    ``cut`` with or without ``config``); none of them: the planner chooses from a quick
+    profile (straight pipelines), or the schedule's own layout (``dp``, ``interleaved``).
+    Fields declared with ``schedule_option=True`` are the schedule builder's options.
+    """
+
+    workers: int | None = setting(None, "worker processes (default: what --config/--plan needs, else 1; under "
+                                        "torchrun: its world size)", type=int)
+    plan: str | None = setting(None, "plan JSON written by `pipetrain plan --output`", exclusive="stages")
+    config: str | None = setting(None, "replicas per stage, e.g. 2-1-1 (stages cut by balanced estimated compute)",
+                                 exclusive="stages")
+    cut: str | None = setting(None, "where stages 1, 2, ... begin: a node name or a module name of the captured "
+                                    "model (e.g. blocks.4, or 16 for child 16 of an nn.Sequential); with --config "
+                                    "for replicas, else one worker per stage", metavar="NAME[,NAME...]")
+    schedule: str = setting(DEFAULT_SCHEDULE, f"the pipeline schedule, one of {', '.join(sorted(SCHEDULE_NAMES))}")
+    microbatches: int | None = setting(None, "units per minibatch (default: the schedule's: 1 for pipedream, else "
+                                             "the pipeline depth, at least the largest replica count)", type=int)
+    vertical_sync: bool = setting(False, "pipedream: vertical sync of weight versions", kind="true",
+                                  schedule_option=True)
+    virtual_stages: int | None = setting(None, "interleaved: model chunks per rank (default 2)", type=int,
+                                         schedule_option=True)
+    device: str = setting("cpu", "cpu (gloo) or cuda (NCCL)", choices=DEVICES)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "schedule", str(self.schedule).lower())
+        if self.schedule not in SCHEDULE_NAMES:
+            raise RuntimeConfigError(
+                f"unknown schedule {self.schedule!r}; valid schedules: {', '.join(sorted(SCHEDULE_NAMES))}")
+        for name in ("workers", "microbatches", "virtual_stages"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
         if self.device not in DEVICES:
             raise RuntimeConfigError(f"unknown device {self.device!r}; valid: {', '.join(DEVICES)}")
-        if not self.timeout > 0:
-            raise RuntimeConfigError(f"timeout must be > 0 seconds, got {self.timeout}; pass e.g. --timeout 120")
-        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
-            raise RuntimeConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
         if self.plan is not None and self.config is not None:
             raise RuntimeConfigError("give either --plan or --config, not both")
         if self.config is not None:
             parse_config(self.config)
         if self.cut is not None:
-            cuts = parse_cut(self.cut)
+            parse_cut(self.cut)
             if self.plan is not None:
                 raise RuntimeConfigError("--cut fixes the stages itself: give --cut or --plan, not both")
-            if self.schedule == "dp":
-                raise RuntimeConfigError("--cut splits a model into pipeline stages; the dp schedule has one stage")
+        spec = self.spec
+        for f, fl in settings(type(self)):  # an option the schedule does not take
+            if fl.schedule_option and getattr(self, f.name) != f.default and f.name not in spec.options:
+                from ..schedule import SCHEDULES
+
+                takers = [s.name for s in SCHEDULES.values() if f.name in s.options]
+                raise RuntimeConfigError(
+                    f"{fl.flag} applies to the {'/'.join(takers)} schedule only (got --schedule {self.schedule}); "
+                    f"drop {fl.flag} or pass --schedule {takers[0]}")
+        if spec.unit == "minibatch" and self.microbatches not in (None, 1):
+            raise RuntimeConfigError(
+                f"{self.schedule} moves whole minibatches, so --microbatches must be 1 (got {self.microbatches}); "
+                f"use {_microbatched()} for microbatches")
+        if self.cut is not None:
+            cuts = parse_cut(self.cut)
+            if spec.one_stage:
+                raise RuntimeConfigError(
+                    f"--cut splits a model into pipeline stages; the {self.schedule} schedule has one stage")
             if self.config is not None:
-                reps = parse_config(self.config)
-                stages = len(reps) * (self.virtual_stages if self.schedule == "interleaved" else 1)
+                stages = spec.model_stages(len(parse_config(self.config)), self.schedule_options)
                 if stages != len(cuts) + 1:
                     raise RuntimeConfigError(
                         f"--cut {self.cut} makes {len(cuts) + 1} stages but --config {self.config} has {stages}; "
                         f"give one cut name fewer than the stages")
-        if self.vertical_sync and self.schedule != "pipedream":
-            raise RuntimeConfigError(
-                f"--vertical-sync applies to the pipedream schedule only (got --schedule {self.schedule})")
-        if self.schedule == "pipedream" and self.microbatches not in (None, 1):
-            raise RuntimeConfigError(
-                f"pipedream moves whole minibatches, so --microbatches must be 1 (got {self.microbatches}); "
-                f"use flush, gpipe or 2bw for microbatches")
+
+    @property
+    def spec(self) -> Any:
+        """The schedule's :class:`~pipetrain.schedule.ScheduleSpec`."""
+        from ..schedule import get_schedule
+
+        return get_schedule(self.schedule)
+
+    @property
+    def schedule_options(self) -> dict[str, Any]:
+        """The schedule builder's options, defaults filled in (``ScheduleSpec.check_options``)."""
+        given = {f.name: getattr(self, f.name) for f, fl in settings(type(self))
+                 if fl.schedule_option and getattr(self, f.name) != f.default}
+        try:
+            return dict(self.spec.check_options(given))
+        except PipetrainError as e:
+            raise RuntimeConfigError(str(e)) from None
+
+
+@dataclass(frozen=True)
+class TrainingSection:
+    """What is trained: steps, batch, seed, learning-rate schedule, clipping.
+
+    A *step* is one minibatch of ``batch_size`` samples and one optimizer step of the last
+    stage.
+    """
+
+    steps: int = setting(10, "minibatches to train, i.e. optimizer steps (timed)", type=int)
+    warmup_steps: int = setting(0, "untimed minibatches before the timed ones (benchmarks)", type=int)
+    batch_size: int | None = setting(None, "samples per minibatch (default: the model's)", type=int)
+    seed: int = setting(0, "seed of model init and data (minibatch t uses seed + t)", type=int)
+    lr_schedule: LRSchedule = setting(
+        None, "constant | step:size=N,gamma=G | cosine:warmup=W,total=T,min=M (default: constant)",
+        factory=lambda: LRSchedule(),
+        convert=_lr_schedule)
+    clip_grad_norm: float | None = setting(
+        None, "clip gradients to this 2-norm (global for synchronous schedules, per stage for asynchronous ones)",
+        type=float)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lr_schedule", _lr_schedule(self.lr_schedule))
+        _positive_int("steps", self.steps)
+        _positive_int("warmup_steps", self.warmup_steps, minimum=0)
+        if self.batch_size is not None:
+            _positive_int("batch_size", self.batch_size)
+        if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
+            raise RuntimeConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    """Where the run's final state goes and where it continues from."""
+
+    save: str | None = setting(None, "write the final model state_dict (and PATH.trainer) to PATH", metavar="PATH")
+    resume: str | None = setting(None, "continue from a checkpoint written by --save", metavar="PATH")
+
+
+@dataclass(frozen=True)
+class OutputSection:
+    """What the run reports while and after it runs."""
+
+    trace: str | None = setting(None, "write each worker's measured timeline as Chrome traces in DIR (and the "
+                                      "resolved run as run.json)", metavar="DIR")
+    log_every: int = setting(10, "log the loss every n steps (0: never)", type=int)
+    json: bool = setting(False, "print one JSON object with the run's figures at the end (progress lines go to "
+                                "stderr)", kind="true")
+    quiet: bool = setting(False, "no progress lines", flag=None)
+
+    def __post_init__(self) -> None:
+        _positive_int("log_every", self.log_every, minimum=0)
+
+    @property
+    def progress_to_stderr(self) -> bool:
+        """Progress lines go to stderr when stdout carries the JSON result."""
+        return self.json
+
+
+@dataclass(frozen=True)
+class PerformanceSection:
+    """Knobs that change speed or memory, never the numbers."""
+
+    timeout: float = setting(120.0, "seconds any receive or collective may wait", type=float)
+    threads: int | None = setting(1, "torch threads per worker on CPU (default: 1; 0: torch's default)", type=int,
+                                  convert=_threads)
+    lookahead: int = setting(8, "actions ahead to post receives for", type=int, hidden=True)
+    tune_malloc: bool = setting(True, "leave glibc's malloc thresholds alone (by default freed memory is kept for "
+                                      "reuse, see runtime.memory.tune_malloc)", flag="--no-malloc-tuning",
+                                kind="false")
+    fused_grads: bool = setting(True, "accumulate Linear weight gradients through autograd (by default the "
+                                      "backward's GEMM adds them into the accumulator in place)",
+                                flag="--no-fused-grads", kind="false")
+
+    def __post_init__(self) -> None:
+        if not self.timeout > 0:
+            raise RuntimeConfigError(f"timeout must be > 0 seconds, got {self.timeout}; pass e.g. --timeout 120")
+        if self.threads is not None:
+            _positive_int("threads", self.threads)
+        _positive_int("lookahead", self.lookahead)
+
+
+@dataclass(frozen=True)
+class DebugSection:
+    """Test hooks: not shown in ``--help``."""
+
+    debug_fail: str | None = setting(None, "RANK:STEP[:hang] makes RANK raise (or hang) at STEP", hidden=True)
+    return_state: bool = setting(False, "gather the final parameters into the result (library, tests)", flag=None)
+
+    def __post_init__(self) -> None:
         if self.debug_fail is not None:
             parse_debug_fail(self.debug_fail)
 
+
+# --------------------------------------------------------------------------- the run's config
+
+
+#: Section attribute of :class:`TrainConfig` -> its class, in command-line order.
+SECTIONS: dict[str, type] = {
+    "model": ModelSection, "parallel": ParallelSection, "training": TrainingSection, "optimizer": OptimizerConfig,
+    "checkpoint": CheckpointSection, "output": OutputSection, "performance": PerformanceSection,
+    "debug": DebugSection,
+}
+
+
+def _flat_keys() -> dict[str, tuple[str, str]]:
+    """flat key -> (section attribute, field name); keys are unique over all sections."""
+    out: dict[str, tuple[str, str]] = {}
+    for attr, cls in SECTIONS.items():
+        for f, fl in settings(cls):
+            if fl.key in out:
+                raise TypeError(f"config key {fl.key!r} is declared twice ({out[fl.key][0]} and {attr})")
+            out[fl.key] = (attr, f.name)
+    return out
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """One training run (the ``pipetrain train`` options), in sections (module docstring).
+
+    Build it from sections, or from flat keys::
+
+        TrainConfig(parallel=ParallelSection(workers=2, config='1-1', schedule='flush'))
+        TrainConfig.of(workers=2, config='1-1', schedule='flush', steps=3, lr=0.1)
+    """
+
+    model: ModelSection = field(default_factory=ModelSection)
+    parallel: ParallelSection = field(default_factory=ParallelSection)
+    training: TrainingSection = field(default_factory=TrainingSection)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    output: OutputSection = field(default_factory=OutputSection)
+    performance: PerformanceSection = field(default_factory=PerformanceSection)
+    debug: DebugSection = field(default_factory=DebugSection)
+
+    def __post_init__(self) -> None:
+        for attr, cls in SECTIONS.items():
+            value = getattr(self, attr)
+            if isinstance(value, Mapping):
+                object.__setattr__(self, attr, cls(**value))
+            elif not isinstance(value, cls):
+                raise RuntimeConfigError(f"TrainConfig.{attr} must be a {cls.__name__}, got {type(value).__name__}")
+
+    # -- flat keys ---------------------------------------------------------------------
+    @classmethod
+    def of(cls, **values: Any) -> "TrainConfig":
+        """A config from flat keys (``steps=3, lr=0.1``) and/or whole sections (``optimizer=OptimizerConfig(...)``)."""
+        return cls().replace(**values)
+
+    def replace(self, **values: Any) -> "TrainConfig":
+        """A copy with flat keys (or whole sections) replaced; every section is checked again."""
+        keys = _flat_keys()
+        whole: dict[str, Any] = {}
+        parts: dict[str, dict[str, Any]] = {}
+        for k, v in values.items():
+            if k in SECTIONS and isinstance(v, (SECTIONS[k], Mapping)):
+                whole[k] = v
+            elif k in keys:
+                attr, name = keys[k]
+                parts.setdefault(attr, {})[name] = v
+            else:
+                raise RuntimeConfigError(
+                    f"unknown training setting {k!r}; settings are: {', '.join(sorted(keys))}")
+        new = {}
+        for attr, cls in SECTIONS.items():
+            sec = whole.get(attr, getattr(self, attr))
+            if isinstance(sec, Mapping):
+                sec = cls(**sec)
+            if attr in parts:
+                sec = dataclasses.replace(sec, **parts[attr])
+            new[attr] = sec
+        return TrainConfig(**new)
+
+    def get(self, key: str) -> Any:
+        """The value of a flat key (``cfg.get("steps")``)."""
+        attr, name = _flat_keys()[key]
+        return getattr(getattr(self, attr), name)
+
     # -- derived values ----------------------------------------------------------------
+    @property
+    def spec(self) -> Any:
+        """The schedule's :class:`~pipetrain.schedule.ScheduleSpec`."""
+        return self.parallel.spec
+
     @property
     def synchronous(self) -> bool:
         """Whether every unit of minibatch ``t`` uses version ``t`` (global gradient clipping)."""
-        return self.schedule in SYNC_SCHEDULES
-
-    def resolved_microbatches(self) -> int:
-        """Units per minibatch: the given value, else 1 for pipedream and ``workers`` otherwise."""
-        if self.microbatches is not None:
-            return self.microbatches
-        return 1 if self.schedule == "pipedream" else (self.workers or 1)
-
-    def check_counts(self, batch_size: int) -> None:
-        """Cross-field checks once the batch size is known."""
-        m = self.resolved_microbatches()
-        if batch_size % m:
-            lower = max(d for d in range(1, m + 1) if batch_size % d == 0)
-            raise RuntimeConfigError(
-                f"batch size {batch_size} is not divisible by microbatches {m}: every microbatch must have the "
-                f"same size; use --microbatches {lower} or --batch-size {(batch_size // m + 1) * m}")
+        return bool(self.spec.synchronous)
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-friendly copy (nested dataclasses as dicts)."""
-        out: dict[str, Any] = {}
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if isinstance(v, (OptimizerConfig, LRSchedule)):
-                v = {g.name: getattr(v, g.name) for g in fields(v)}
-            out[f.name] = v
-        return out
+        """A JSON-friendly copy, by section (nested dataclasses as dicts)."""
+        def plain(v: Any) -> Any:
+            if dataclasses.is_dataclass(v) and not isinstance(v, type):
+                return {f.name: plain(getattr(v, f.name)) for f in fields(v)}
+            if isinstance(v, Mapping):
+                return {str(k): plain(x) for k, x in v.items()}
+            if isinstance(v, tuple):
+                return list(v)
+            return v
+
+        return plain(self)
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:

@@ -26,31 +26,24 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence, TextIO
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 from torch.func import functional_call
 
 from ..schedule.action import COMPUTE_OPS, Action, Op
+from ..schedule.events import Event
 from .comm import Comm
 from .config import LRSchedule
 from .data import UnitData
 from .fused import GradSink, install
+from .log import progress
 from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
 from .stage import StageModule
 from .versions import WeightVersions, version_last_use
 
-__all__ = ["StageRuntime", "Executor", "TimedEvent"]
-
-
-@dataclass
-class TimedEvent:
-    """One executed action with its wall-clock interval (seconds since the segment start)."""
-
-    action: Action
-    start: float
-    end: float
+__all__ = ["StageRuntime", "Executor"]
 
 
 class StageRuntime:
@@ -210,17 +203,19 @@ class Executor:
         loss_fn: ``loss_fn(output, target)``, the mean over the unit's samples.
         base_lr, lr_schedule, clip, global_clip: the optimizer step settings.
         lookahead: actions ahead to post receives for.
-        record: keep a :class:`TimedEvent` per action (traces).
+        record: keep an :class:`~pipetrain.schedule.events.Event` per action (traces); STEP
+            events are always kept (the steady-state throughput is computed from them).
         fail_at: hidden debug option, ``(rank, step, "raise" | "hang")``: this rank raises
             (or blocks forever) at its first forward of that step.
-        log: ``(stream, every)`` to print the loss of every ``every``-th step (last stage).
+        log_every: log the loss of every ``log_every``-th step (last stage; 0: never) on the
+            ``pipetrain.progress`` logger.
     """
 
     def __init__(self, rank: int, stages: dict[int, StageRuntime], comm: Comm, data: UnitData,
                  loss_fn: Callable[[Any, Any], Tensor], base_lr: float, lr_schedule: LRSchedule,
                  clip: float | None = None, global_clip: bool = False, lookahead: int = 8,
                  record: bool = False, fail_at: tuple[int, int, str] | None = None,
-                 log: tuple[TextIO, int] | None = None, lr_totals: dict[int, int] | None = None) -> None:
+                 log_every: int = 0, lr_totals: dict[int, int] | None = None) -> None:
         self.rank = rank
         self.stages = stages
         self.comm = comm
@@ -233,10 +228,9 @@ class Executor:
         self.lookahead = lookahead
         self.record = record
         self.fail_at = fail_at
-        self.log = log
+        self.log_every = log_every
         self.lr_totals = lr_totals
-        self.events: list[TimedEvent] = []
-        self.step_ends: dict[int, list[float]] = {}  # stage -> end of each STEP (s since t0)
+        self.events: list[Event] = []   # seconds since t0; every action if record, else the STEPs
         self.losses: dict[int, Tensor] = {}  # unit -> loss (last stage)
         self._units: dict[tuple[int, int], _Unit] = {}
         self._inbox: dict[tuple[int, int, int], tuple[list[Tensor], Action]] = {}
@@ -277,10 +271,8 @@ class Executor:
             self._pos = i
             t = time.perf_counter()
             self.handlers[a.op](a)
-            if record:
-                self.events.append(TimedEvent(a, t - self.t0, time.perf_counter() - self.t0))
-            if a.op is Op.STEP:
-                self.step_ends.setdefault(a.stage, []).append(time.perf_counter() - self.t0)
+            if record or a.op is Op.STEP:
+                self.events.append(Event(self.rank, a, t - self.t0, time.perf_counter() - self.t0))
             if a.op in COMPUTE_OPS or a.op is Op.STEP:
                 self.stages[a.stage].versions.release(i)
         if self._units or self._inbox or self._outbox:
@@ -419,7 +411,7 @@ class Executor:
         return [g.clone() if g is not None and g.untyped_storage().data_ptr() in ptrs else g for g in grads]
 
     def _note_unit(self, a: Action) -> None:
-        if self.log is not None and self.stages[a.stage].stage.is_last:
+        if self.log_every and self.stages[a.stage].stage.is_last:
             self._group_units.setdefault(a.stage, []).append(a.mb)
 
     def _release(self, u: _Unit) -> None:
@@ -468,12 +460,12 @@ class Executor:
                 for s, g in self._deferred:
                     s.apply(g, self.base_lr, self.lr_schedule, coef=coef, position=self._pos)
                 self._deferred = []
-        if self.log is not None and st.stage.is_last:
+        if self.log_every and st.stage.is_last:
             self._log_step(a)
 
     def _log_step(self, a: Action) -> None:
-        """Print the loss of the minibatches this STEP completes (last stage, every n-th step)."""
-        stream, every = self.log  # type: ignore[misc]
+        """Log the loss of the minibatches this STEP completes (last stage, every n-th step)."""
+        every = self.log_every
         units = self._group_units.pop(a.stage, [])
         if not every or not units:
             return
@@ -482,7 +474,7 @@ class Executor:
         if bucket > self._logged:  # a replicated last stage sees every r-th step only
             self._logged = bucket
             loss = sum(float(self.losses[u]) for u in units) / len(units)
-            print(f"step {step + 1}: loss {loss:.6f}", file=stream, flush=True)
+            progress.info("step %d: loss %.6f", step + 1, loss)
 
     # -- results -----------------------------------------------------------------------
     def unit_losses(self) -> dict[int, float]:

@@ -112,6 +112,6 @@ def install(module: torch.fx.GraphModule, param_names: set[str], sink: GradSink)
         if bname is not None and (bname not in param_names or not sub.bias.requires_grad):
             continue
         sub.__class__ = AccumulatingLinear
-        sub._pt_sink, sub._pt_wname, sub._pt_bname = sink, wname, bname  # type: ignore[attr-defined]
+        sub._pt_sink, sub._pt_wname, sub._pt_bname = sink, wname, bname  # type: ignore[attr-defined,assignment]
         fed += [wname] + ([bname] if bname else [])
     return fed

@@ -1,19 +1,14 @@
-"""Starting a run: torchrun's launcher API locally, or one worker under an outer torchrun.
+"""Starting the workers of a resolved run on this machine through torchrun's launcher API.
 
-:func:`train` is the library entry point behind ``pipetrain train``:
+:func:`launch_local` starts ``world_size`` local processes with
+``torch.distributed.launcher.api.elastic_launch`` (the launcher ``torchrun`` itself uses:
+c10d rendezvous on ``127.0.0.1:<free port>``, ``max_restarts=0``), hands each the resolved
+runs (pickled with the entry point's arguments), and returns rank 0's results. A worker's
+failure surfaces as one :class:`~pipetrain.runtime.failures.WorkerFailure`, built from the
+structured :class:`~pipetrain.runtime.failures.FailureRecord` the failing rank posted in a
+store this launcher hosts for the run (no error text is parsed).
 
-- under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) this process *is* one
-  worker: it runs :func:`~pipetrain.runtime.worker.run_rank` and rank 0 returns the summary;
-- with ``workers == 1`` it trains in this process (:mod:`pipetrain.runtime.single`);
-- otherwise it starts ``workers`` local processes with
-  ``torch.distributed.launcher.api.elastic_launch`` (the launcher ``torchrun`` itself uses:
-  c10d rendezvous on ``127.0.0.1:<free port>``, ``max_restarts=0``), and returns rank 0's
-  result. A worker's failure surfaces as one :class:`WorkerFailure` naming the rank.
-
-Several machines: run on each ::
-
-    torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        -m pipetrain train --model vgg16 --config 3-1 --schedule pipedream --steps 100
+The library entry point that resolves a configuration first is :func:`pipetrain.run.train`.
 """
 from __future__ import annotations
 
@@ -24,26 +19,12 @@ import socket
 import uuid
 from typing import Any, Iterator, Sequence
 
-from ..errors import PipetrainError, RuntimeConfigError
-from .config import TrainConfig
-from .worker import STOPPED_MARK
+from ..errors import RuntimeConfigError
+from .failures import FailureBoard, WorkerFailure
+from .resolved import ResolvedRun
+from .result import RunResult
 
-__all__ = ["WorkerFailure", "train", "launch_local", "under_torchrun", "free_port"]
-
-
-class WorkerFailure(RuntimeError):
-    """A worker process failed; ``rank`` is the one that failed first, ``message`` its error."""
-
-    def __init__(self, rank: int, message: str, user_error: bool = False) -> None:
-        super().__init__(f"rank {rank} failed: {message}")
-        self.rank = rank
-        self.message = message
-        self.user_error = user_error
-
-
-def under_torchrun() -> bool:
-    """Whether this process was started by torchrun (or another elastic agent) as a worker."""
-    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+__all__ = ["WorkerFailure", "launch_local", "free_port", "reopen_closed_std_fds"]
 
 
 def free_port() -> int:
@@ -71,49 +52,13 @@ def _quiet_launcher() -> Iterator[None]:
 
 
 def _failure_text(f: Any) -> str:
+    """The first line torchelastic recorded for a process that left no record (killed, or
+    failed before it could reach the store)."""
     msg = f.message
     if isinstance(msg, dict):
         msg = msg.get("message", "")
     text = str(msg or "").strip()
-    if not text or text.startswith("Signal"):
-        text = text or f"exit code {f.exitcode}"
     return text.splitlines()[0] if text else f"exit code {f.exitcode}"
-
-
-def _user_error_names() -> set[str]:
-    """Class names of every PipetrainError subclass (a worker's error arrives as text)."""
-    names, todo = {"PipetrainError"}, list(PipetrainError.__subclasses__())
-    while todo:
-        c = todo.pop()
-        names.add(c.__name__)
-        todo.extend(c.__subclasses__())
-    return names
-
-
-def _originating_failure(failures: dict[int, Any]) -> tuple[int, str]:
-    """(rank, ``Type: message``) of the failure that started it all.
-
-    A worker whose peer failed first reports ``rank R stopped because rank Q failed: Type:
-    message`` (the first failure recorded in the rendezvous store), so that text names the
-    origin even when rank Q's own record is missing or uninformative (killed, no message).
-    Otherwise the earliest failure with a message of its own is the origin.
-    """
-    fails = sorted(failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-    texts = {r: _failure_text(f) for r, f in fails}
-
-    def informative(t: str) -> bool:
-        return STOPPED_MARK not in t and not t.startswith(("Signal", "exit code"))
-
-    roots = [r for r, t in texts.items() if informative(t)]
-    if roots:
-        return roots[0], texts[roots[0]]
-    for t in texts.values():
-        if STOPPED_MARK in t:
-            origin = t.split(STOPPED_MARK, 1)[1].strip()       # "Q failed: Type: message"
-            q, sep, rest = origin.partition(" failed: ")
-            if sep and q.strip().isdigit():
-                return int(q), rest.strip()
-    return fails[0][0], texts[fails[0][0]]
 
 
 def reopen_closed_std_fds() -> None:
@@ -129,18 +74,27 @@ def reopen_closed_std_fds() -> None:
             os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
 
 
-def launch_local(cfgs: Sequence[TrainConfig], workers: int, timeout: float = 120.0) -> list[dict[str, Any]]:
-    """Run ``cfgs`` one after the other in ``workers`` fresh local processes (one launch).
+def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0) -> list[RunResult]:
+    """Run ``runs`` one after the other in ``world_size`` fresh local processes (one launch).
 
-    Returns rank 0's result of each config. Raises :class:`WorkerFailure` if a worker fails
-    (with the first failing rank, not the ranks it brought down).
+    Every run must have the same ``world_size`` (> 1). Returns rank 0's result of each run.
+    Raises :class:`WorkerFailure` if a worker fails (with the first failing rank, not the
+    ranks it brought down).
     """
+    import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from .worker import worker_main
 
+    sizes = sorted({r.world_size for r in runs})
+    if len(sizes) != 1 or sizes[0] < 2:
+        raise RuntimeConfigError(f"launch_local runs resolved runs of one world size > 1, got sizes {sizes}")
+    workers = sizes[0]
     reopen_closed_std_fds()
+    # The failure board: workers post structured records here; read after they exit.
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    board = FailureBoard(store)
     port = free_port()
     saved_omp = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's default (torch threads are set per worker)
@@ -149,42 +103,15 @@ def launch_local(cfgs: Sequence[TrainConfig], workers: int, timeout: float = 120
                       monitor_interval=0.05, start_method="spawn", rdzv_timeout=int(max(30, timeout)))
     try:
         with _quiet_launcher():
-            out = elastic_launch(lc, worker_main)(list(cfgs))
+            out = elastic_launch(lc, worker_main)(list(runs), ("127.0.0.1", int(store.port)))
     except ChildFailedError as e:
-        rank, text = _originating_failure(e.failures)
-        user = text.split(":", 1)[0] in _user_error_names()
-        if user:
-            text = text.split(": ", 1)[-1]
-        raise WorkerFailure(rank, text, user_error=user) from None
+        root = board.root()
+        if root is not None:
+            raise WorkerFailure.of(root) from None
+        rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+        raise WorkerFailure(rank, _failure_text(failure)) from None
     finally:
         if saved_omp is None:
             os.environ.pop("OMP_NUM_THREADS", None)
-    return list(out[0])
-
-
-def train(cfg: TrainConfig) -> dict[str, Any]:
-    """Run one training run described by ``cfg`` (see the module docstring); returns the
-    summary (rank 0's; other ranks under torchrun get ``{"rank": r}``)."""
-    if under_torchrun():
-        from .worker import run_rank
-
-        world = int(os.environ["WORLD_SIZE"])
-        if cfg.workers is not None and cfg.workers != world:
-            raise RuntimeConfigError(
-                f"--workers {cfg.workers} but torchrun started {world} processes; pass --workers {world} or omit it")
-        return run_rank(cfg)
-    workers = cfg.workers
-    if workers is None:
-        from .resolve import config_workers
-
-        workers = config_workers(cfg) or 1
-    from .preflight import preflight
-
-    preflight(cfg, workers)  # everything decidable before any process starts
-    if workers == 1:
-        from .single import train_one_process
-
-        return train_one_process(cfg)
-    from dataclasses import replace
-
-    return launch_local([replace(cfg, workers=workers)], workers, cfg.timeout)[0]
+        del board, store
+    return [r for r in out[0] if r is not None]

@@ -25,8 +25,11 @@ from torch.func import functional_call
 from ..schedule.action import Op, Schedule
 from .config import LRSchedule, OptimizerConfig
 from .data import UnitData
+from .model import load_bundle
+from .resolved import ResolvedRun
 
-__all__ = ["stage_step_count", "make_torch_optimizer", "replay_schedule", "train_single_process", "ReplayResult", "SingleResult"]
+__all__ = ["stage_step_count", "make_torch_optimizer", "replay_schedule", "train_single_process", "ReplayResult",
+           "SingleResult", "replay_config", "single_config"]
 
 
 def make_torch_optimizer(params: Sequence[Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -234,43 +237,31 @@ def train_single_process(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor]
     return SingleResult(losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, optimizer, seconds)
 
 
-def replay_config(cfg: Any, workers: int) -> tuple[ReplayResult, dict[str, Any]]:
-    """Replay a :class:`~pipetrain.runtime.config.TrainConfig` run in this process.
-
-    Builds the same model (seed), plan and schedules a ``workers``-rank run uses, then
-    :func:`replay_schedule`. Returns the result and ``{"plan": Plan, "schedules": [...]}``.
-    """
-    from dataclasses import replace
-
+def replay_config(run: ResolvedRun) -> ReplayResult:
+    """Replay a resolved multi-worker run in this process: the same model (seed), plan and
+    schedules the workers execute, through :func:`replay_schedule`."""
     from ..graph.capture import capture
-    from .resolve import build_run_schedule, load_bundle, resolve_batch_size, resolve_plan
-    from .stage import partition_graph, stage_nodes_of_plan
+    from .stage import partition_graph
 
-    cfg = replace(cfg, workers=workers)
-    batch = resolve_batch_size(cfg)
-    m = cfg.resolved_microbatches()
-    bundle = load_bundle(cfg, batch // m)
+    cfg = run.config
+    bundle = load_bundle(cfg, run.unit_batch)
     captured = capture(bundle.model, bundle.example_inputs)
-    plan, _ = resolve_plan(cfg, captured, bundle, batch, workers, broadcast=False)
-    part = partition_graph(captured.gm, stage_nodes_of_plan(plan))
-    lengths = ([cfg.warmup_steps] if cfg.warmup_steps else []) + [cfg.steps]
-    schedules = [build_run_schedule(cfg, plan, m, n) for n in lengths]
+    part = partition_graph(captured.gm, run.stage_nodes)
     segments, offset = [], 0
-    for sch, n in zip(schedules, lengths):
-        segments.append((sch, UnitData(bundle.make_batch, batch, m, cfg.seed, offset)))
-        offset += n
-    result = replay_schedule(bundle.model, bundle.loss_fn, segments, part.param_stage, cfg.optimizer,
-                             cfg.lr_schedule, cfg.clip_grad_norm, global_clip=cfg.synchronous)
-    return result, {"plan": plan, "schedules": schedules, "batch_size": batch, "microbatches": m}
+    for seg in run.segments:
+        assert seg.schedule is not None, "a one-process run has no schedule to replay"
+        segments.append((seg.schedule, UnitData(bundle.make_batch, run.batch_size, run.microbatches,
+                                                cfg.training.seed, offset)))
+        offset += seg.steps
+    return replay_schedule(bundle.model, bundle.loss_fn, segments, part.param_stage, cfg.optimizer,
+                           cfg.training.lr_schedule, cfg.training.clip_grad_norm, global_clip=cfg.synchronous)
 
 
-def single_config(cfg: Any) -> SingleResult:
-    """Plain single-process training of a config's model on the same minibatches."""
-    from .resolve import load_bundle, resolve_batch_size
-
-    batch = resolve_batch_size(cfg)
-    bundle = load_bundle(cfg, batch)
-    data = UnitData(bundle.make_batch, batch, 1, cfg.seed, 0)
-    total = cfg.warmup_steps + cfg.steps
-    return train_single_process(bundle.model, bundle.loss_fn, data, total, cfg.optimizer, cfg.lr_schedule,
-                                cfg.clip_grad_norm, lr_total=total)
+def single_config(run: ResolvedRun) -> SingleResult:
+    """Plain single-process training of a run's model on the same minibatches."""
+    cfg = run.config
+    bundle = load_bundle(cfg, run.batch_size)
+    data = UnitData(bundle.make_batch, run.batch_size, 1, cfg.training.seed, 0)
+    total = run.total_steps
+    return train_single_process(bundle.model, bundle.loss_fn, data, total, cfg.optimizer, cfg.training.lr_schedule,
+                                cfg.training.clip_grad_norm, lr_total=total)

@@ -93,7 +93,7 @@ class WeightVersions:
         for t in spare.values():
             # 3 = the dict, the loop variable, getrefcount's argument; _use_count counts
             # C++ holders such as autograd graphs that saved the tensor.
-            if t._use_count() != 1 or sys.getrefcount(t) > 3:
+            if t._use_count() != 1 or sys.getrefcount(t) > 3:  # type: ignore[attr-defined]
                 return None
         return spare
 

@@ -2,116 +2,59 @@
 
 :func:`run_rank` is what every process executes, whether started by ``pipetrain train
 --workers N`` (through torchrun's launcher API, :mod:`pipetrain.runtime.launch`) or by
-``torchrun ... -m pipetrain train`` directly:
+``torchrun ... -m pipetrain train`` directly. It receives a
+:class:`~pipetrain.runtime.resolved.ResolvedRun` (every decision made) and
 
-1. join the process group (gloo on CPU, NCCL on CUDA; every wait bounded by ``--timeout``);
-2. build the model from the seed, capture it, resolve the plan and the schedule;
-3. build this rank's stage modules, weight versions, optimizers and communication;
-4. run the schedule's action list (an optional untimed warm-up segment first);
-5. gather losses (and, when asked, weights and optimizer state) to rank 0, which writes the
-   checkpoint and the merged trace and returns the run's summary.
+1. joins the process group (gloo on CPU, NCCL on CUDA; every wait bounded by ``--timeout``);
+2. builds the model from the seed, captures it and cuts it into the plan's stage node lists;
+3. builds this rank's stage modules, weight versions, optimizers and communication;
+4. runs the schedule's action list of every segment (an optional untimed warm-up first);
+5. gathers its :class:`~pipetrain.runtime.result.RankReport` to rank 0, which writes the
+   checkpoint and the merged trace and returns the run's :class:`~pipetrain.runtime.result.RunResult`.
 
-A rank that fails records ``rank R: error`` in the rendezvous store before it exits; a rank
-whose transfer then breaks reports that rank as the cause ("rank 0 stopped: rank 1 failed:
-...") instead of a bare connection error.
+A rank that fails posts a :class:`~pipetrain.runtime.failures.FailureRecord` before it exits;
+a rank whose transfer then breaks finds that record and names that rank as the cause
+("rank 0 stopped because rank 1 failed: ...") instead of a bare connection error.
 """
 from __future__ import annotations
 
+import json
 import os
-import resource
-import sys
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import PipetrainError, RuntimeConfigError
-from ..plan.types import Plan
+from ..plan.cuts import node_modules, stage_first_nodes
 from ..schedule.action import Op, Schedule
-from .checkpoint import TrainerState, load_checkpoint, save_checkpoint
+from ..schedule.events import Event, steady_state_rates, write_chrome_trace
+from .checkpoint import TrainerState, check_resumable, load_checkpoint, save_checkpoint
 from .comm import Comm
 from .config import TrainConfig, parse_debug_fail
 from .data import UnitData
 from .executor import Executor, StageRuntime
+from .failures import FailureBoard, FailureRecord, connect_board
+from .log import setup_logging
+from .memory import peak_rss_life_mib, proc_status_mib, reset_peak_rss, tune_malloc
+from .model import load_bundle
 from .optim import FunctionalOptimizer
 from .reference import stage_step_count
-from .resolve import build_run_schedule, check_workers, load_bundle, resolve_batch_size, resolve_plan
-from .stage import (boundary_codecs, build_stage_modules, node_modules, partition_graph, stage_first_nodes,
-                    stage_nodes_of_plan)
+from .resolved import ResolvedRun
+from .result import RankReport, RunResult
+from .stage import boundary_codecs, build_stage_modules, partition_graph
 
-__all__ = ["worker_main", "run_rank", "init_distributed", "tune_malloc", "FAILURE_KEY", "STOPPED_MARK"]
-
-FAILURE_KEY = "pipetrain/failed"
-STOPPED_MARK = "stopped because rank"
-
-
-def tune_malloc() -> bool:
-    """Keep freed memory in the process instead of returning it to the kernel (glibc only).
-
-    Every backward allocates fresh weight-gradient tensors; with glibc's defaults large ones
-    are ``mmap``-ed and unmapped on free, and the heap top is trimmed, so each step pays
-    page faults and kernel zeroing for the same sizes again (a third of a small microbatch's
-    backward on a 2-core machine). Raising the mmap and trim thresholds lets the allocator
-    reuse those pages, as a caching allocator would; and since glibc caps the mmap threshold
-    at 32 MiB, larger tensors (an LM's logits: 16 x 128 x 8192 floats = 64 MiB, and their
-    gradient) are kept off mmap altogether (``M_MMAP_MAX`` 0): a GPT step went from 65,000
-    page faults to none, 7% less CPU time. Returns whether the settings took.
-    """
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        m_trim_threshold, m_mmap_threshold, m_mmap_max = -1, -3, -4
-        ok = libc.mallopt(m_mmap_threshold, 32 << 20) == 1   # glibc's largest allowed threshold
-        ok = libc.mallopt(m_trim_threshold, (1 << 31) - 1) == 1 and ok
-        # Tensors above 32 MiB (an LM's logits and their gradient) would still be mmap-ed
-        # and unmapped every step: no mmap at all, so they come from (and go back to) the heap.
-        ok = libc.mallopt(m_mmap_max, 0) == 1 and ok
-        return ok
-    except (OSError, AttributeError):
-        return False
-
-
-def _proc_status_mib(field_name: str) -> float | None:
-    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in MiB, or None off Linux."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field_name + ":"):
-                    return int(line.split()[1]) / 1024.0
-    except OSError:
-        pass
-    return None
-
-
-def reset_peak_rss() -> bool:
-    """Free what setup dropped (gc, ``malloc_trim``), then restart the kernel's peak-RSS count
-    (``VmHWM``) from the current RSS (Linux ``/proc/self/clear_refs`` 5). True if reset."""
-    import ctypes
-    import gc
-
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+__all__ = ["worker_main", "run_rank", "init_distributed", "tune_malloc"]
 
 
 def init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     """Join (or reuse) the default process group; returns (rank, world size, device)."""
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if cfg.device == "cuda":
+    if cfg.parallel.device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeConfigError("--device cuda but CUDA is not available on this machine; use --device cpu")
         torch.cuda.set_device(local_rank)
@@ -119,76 +62,47 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     else:
         device = torch.device("cpu")
     if not dist.is_initialized():
-        backend = "nccl" if cfg.device == "cuda" else "gloo"
+        backend = "nccl" if cfg.parallel.device == "cuda" else "gloo"
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = device
-        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.timeout), **kwargs)
+        dist.init_process_group(backend, timeout=timedelta(seconds=cfg.performance.timeout), **kwargs)
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def _store() -> Any:
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except Exception:  # noqa: BLE001 - no store: failures are reported by the launcher only
-        return None
-
-
-def _record_failure(rank: int, exc: BaseException) -> None:
-    store = _store()
-    if store is None:
-        return
-    first = str(exc).splitlines()[0] if str(exc) else ""
-    msg = f"{rank} failed: {type(exc).__name__}: {first}"
-    try:
-        store.compare_set(FAILURE_KEY, "", msg)
-    except Exception:  # noqa: BLE001
-        pass
-
-
-def _failure_of_other(rank: int, wait_s: float = 2.0) -> str | None:
-    """The failure another rank recorded, waiting briefly for it to appear."""
-    store = _store()
-    if store is None:
-        return None
-    deadline = time.monotonic() + wait_s
-    while True:
-        try:
-            if store.check([FAILURE_KEY]):
-                msg = store.get(FAILURE_KEY).decode()
-                if msg and not msg.startswith(f"{rank} failed:"):
-                    return msg
-                return None
-        except Exception:  # noqa: BLE001
-            return None
-        if time.monotonic() > deadline:
-            return None
-        time.sleep(0.05)
-
-
-def worker_main(cfgs: list[TrainConfig]) -> list[dict[str, Any]]:
-    """Entry point of each process started by the local launcher: run every config in turn."""
+def worker_main(runs: Sequence[ResolvedRun], board_address: tuple[str, int] | None = None) -> list[RunResult | None]:
+    """Entry point of each process started by the local launcher: run every resolved run in turn."""
     results = []
-    for cfg in cfgs:
-        results.append(run_rank(cfg))
+    for run in runs:
+        results.append(run_rank(run, board_address))
     if dist.is_initialized():
         dist.destroy_process_group()
     return results
 
 
-def run_rank(cfg: TrainConfig) -> dict[str, Any]:
-    """Run this process's part of a training run; rank 0 returns the run's summary."""
+def run_rank(run: ResolvedRun, board_address: tuple[str, int] | None = None) -> RunResult | None:
+    """Run this process's part of a resolved run; rank 0 returns the run's result.
+
+    ``board_address``: the launcher's failure store (local launches); ``None``: the process
+    group's store (under torchrun).
+    """
+    cfg = run.config
     rank, world, device = init_distributed(cfg)
+    board = connect_board(board_address, cfg.performance.timeout)
     try:
-        return _run(cfg, rank, world, device)
+        return _run(run, rank, world, device)
     except BaseException as e:
-        other = _failure_of_other(rank) if not isinstance(e, PipetrainError) else None
-        if other is not None:
-            raise RuntimeError(f"rank {rank} {STOPPED_MARK} {other}") from e
-        _record_failure(rank, e)
+        root = _root_failure(board, rank) if not isinstance(e, PipetrainError) else None
+        if root is not None:
+            if board is not None:
+                board.post(FailureRecord.of(rank, e, caused_by=root.rank))
+            raise RuntimeError(f"rank {rank} stopped because rank {root.rank} failed: {root.type}: "
+                               f"{root.message}") from e
+        if board is not None:
+            board.post(FailureRecord.of(rank, e))
         if dist.is_initialized() and dist.get_world_size() > 1:
             # Close our connections so that ranks waiting on us fail now (naming us, from the
-            # store) instead of at their timeout; give them a moment to report first (a
+            # board) instead of at their timeout; give them a moment to report first (a
             # configuration error is usually raised by every rank alike: no need to wait).
             try:
                 dist.destroy_process_group()
@@ -199,20 +113,22 @@ def run_rank(cfg: TrainConfig) -> dict[str, Any]:
         raise
 
 
+def _root_failure(board: FailureBoard | None, rank: int, wait_s: float = 2.0) -> FailureRecord | None:
+    """The failure of another rank that started it all, waiting briefly for it to appear."""
+    if board is None:
+        return None
+    root = board.root(wait_s)
+    return root if root is not None and root.rank != rank else None
+
+
 # --------------------------------------------------------------------------- the run
 
 
 @dataclass
 class _Setup:
-    """What a worker builds before training (identical decisions on every rank)."""
+    """What a worker builds before training, from the resolved run."""
 
-    batch_size: int
-    microbatches: int
     bundle: Any
-    plan: Plan
-    plan_note: str
-    segments: list[tuple[str, int]]      # ("warmup" | "timed", steps)
-    schedules: list[Schedule]            # one per segment
     stages: dict[int, StageRuntime]      # this rank's stages
     codecs: list[Any]
     original_keys: list[str]             # the model's state_dict keys, in order
@@ -223,54 +139,45 @@ class _Setup:
     rss_setup_mib: float | None = None   # RSS once the stages are built (the peak's baseline)
     peak_reset: bool = False             # whether VmHWM was reset after setup
 
-    @property
-    def schedule(self) -> Schedule:
-        return self.schedules[-1]
 
-
-def _run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dict[str, Any]:
-    if cfg.threads is not None and device.type == "cpu":
-        torch.set_num_threads(cfg.threads)
-    if cfg.tune_malloc:
+def _run(run: ResolvedRun, rank: int, world: int, device: torch.device) -> RunResult | None:
+    cfg = run.config
+    if world != run.world_size:
+        raise RuntimeConfigError(
+            f"the run was resolved for {run.world_size} workers but the process group has {world} ranks; pass "
+            f"--workers {world} or start {run.world_size} processes")
+    if cfg.performance.threads is not None and device.type == "cpu":
+        torch.set_num_threads(cfg.performance.threads)
+    if cfg.performance.tune_malloc:
         tune_malloc()
-    setup = _setup(cfg, rank, world, device)
-    executor, step_losses, wall, end_step = _train(cfg, setup, rank, device)
-    mine = _report(cfg, setup, rank, executor, step_losses, wall)
+    if not cfg.output.quiet:
+        setup_logging(cfg.output.progress_to_stderr)
+    setup = _setup(run, rank, device)
+    executor, step_losses, wall, end_step = _train(run, setup, rank, device)
+    mine = _report(run, setup, rank, executor, step_losses, wall)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
-    if cfg.trace is not None:
-        _write_trace(cfg.trace, rank, mine.get("events", []), setup.schedule, gathered if rank == 0 else None)
+    if cfg.output.trace is not None:
+        _write_trace(cfg.output.trace, rank, mine.events, run.schedule, gathered if rank == 0 else None)
+        if rank == 0:
+            (Path(cfg.output.trace) / "run.json").write_text(json.dumps(run.to_json(), indent=1, default=str))
     if rank != 0:
-        return {"rank": rank}
-    return _summary(cfg, setup, gathered, world, device, end_step)
+        return None
+    return _result(run, setup, gathered, device, end_step)
 
 
-def _setup(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> _Setup:
-    """Model, capture, plan, schedules, this rank's stage modules, optimizers and resume."""
+def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
+    """Model, capture, the plan's stages, this rank's stage modules, optimizers and resume."""
     from ..graph.capture import capture
 
-    if cfg.workers is not None and cfg.workers != world:
-        raise RuntimeConfigError(
-            f"--workers {cfg.workers} but the process group has {world} ranks; pass --workers {world} or start "
-            f"{cfg.workers} processes")
-    check_workers(cfg, world)
-    batch_size = resolve_batch_size(cfg)
-    cfg_w = cfg if cfg.workers == world else replace(cfg, workers=world)
-    m = cfg_w.resolved_microbatches()
-    cfg_w.check_counts(batch_size)
-    bundle = load_bundle(cfg, batch_size // m)
+    cfg = run.config
+    schedule = run.schedule
+    bundle = load_bundle(cfg, run.unit_batch)
     original_keys = list(bundle.model.state_dict().keys())
     captured = capture(bundle.model, bundle.example_inputs)
-    plan, plan_note = resolve_plan(cfg_w, captured, bundle, batch_size, world)
-    segments = ([("warmup", cfg.warmup_steps)] if cfg.warmup_steps else []) + [("timed", cfg.steps)]
-    schedules = [build_run_schedule(cfg_w, plan, m, n) for _, n in segments]
-    if schedules[-1].num_workers != world:
-        raise RuntimeConfigError(
-            f"the {cfg.schedule} schedule for plan {plan.config} uses {schedules[-1].num_workers} workers but the run "
-            f"has {world}; pass --workers {schedules[-1].num_workers}")
-    part = partition_graph(captured.gm, stage_nodes_of_plan(plan))
+    part = partition_graph(captured.gm, run.stage_nodes)
     codecs = boundary_codecs(captured.gm, part, bundle.example_inputs)
-    mine = schedules[-1].stages_of_rank(rank)
+    mine = schedule.stages_of_rank(rank)
     modules = build_stage_modules(captured, part, codecs, mine)
     extras: dict[str, torch.Tensor] = {}
     if rank == 0:  # parameters no node reads: no stage holds them, checkpoints need them
@@ -278,183 +185,158 @@ def _setup(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> _Se
         extras = {k: v.detach().clone() for k, v in bundle.model.state_dict().items() if k not in held}
     # Linear weight gradients straight into the accumulators (fused.py), unless the
     # schedule splits backwards into I and W.
-    split_backward = any(a.op in (Op.I, Op.W) for a in schedules[-1].workers[rank])
-    fuse = cfg.fused_grads and not split_backward
-    stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedules[-1].stage_ranks[k]),
+    split_backward = any(a.op in (Op.I, Op.W) for a in schedule.workers[rank])
+    fuse = cfg.performance.fused_grads and not split_backward
+    stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedule.stage_ranks[k]),
                               device, fuse_linear=fuse) for k in mine}
-    first_nodes = stage_first_nodes(plan, [n.name for n in captured.graph.nodes if n.is_input])
+    first_nodes = stage_first_nodes(run.plan, [n.name for n in captured.graph.nodes if n.is_input])  # type: ignore[arg-type]
     first_modules = {n.name: (node_modules(n) or [""])[-1] for n in captured.gm.graph.nodes}
     del bundle.model, captured  # the stage modules now hold what this rank needs
-    setup = _Setup(batch_size, m, bundle, plan, plan_note, segments, schedules, stages, list(codecs),
-                   original_keys, extras)
+    setup = _Setup(bundle, stages, list(codecs), original_keys, extras)
     setup.stage_first_nodes = first_nodes
     setup.stage_first_modules = [first_modules.get(n, "") for n in first_nodes]
-    if cfg.resume:
+    if cfg.checkpoint.resume:
         setup.start_step = _resume(cfg, stages, device)
     # Peak memory counts the training phase of this rank's own stages, not the building of
     # the whole model (which every rank does): reset the kernel's high-water mark here.
     setup.peak_reset = reset_peak_rss()
-    setup.rss_setup_mib = _proc_status_mib("VmRSS")
+    setup.rss_setup_mib = proc_status_mib("VmRSS")
     return setup
 
 
-def _train(cfg: TrainConfig, setup: _Setup, rank: int,
+def _train(run: ResolvedRun, setup: _Setup, rank: int,
            device: torch.device) -> tuple[Executor, dict[int, list[float]], float, int]:
     """Run the segments; returns the executor, losses per step, timed seconds and the end step."""
-    schedule = setup.schedule
+    cfg = run.config
+    schedule = run.schedule
     mine = list(setup.stages)
-    comm = Comm(rank, schedule, setup.codecs, device, cfg.timeout,
-                global_clip=cfg.synchronous and cfg.clip_grad_norm is not None)
-    lr_totals = {k: setup.stages[k].optimizer.steps + sum(stage_step_count(s, k) for s in setup.schedules)
+    clip = cfg.training.clip_grad_norm
+    comm = Comm(rank, schedule, setup.codecs, device, cfg.performance.timeout,
+                global_clip=cfg.synchronous and clip is not None)
+    lr_totals = {k: setup.stages[k].optimizer.steps + sum(stage_step_count(s, k) for s in run.schedules)
                  for k in mine}
-    is_logger = schedule.num_stages - 1 in mine and rank == schedule.stage_ranks[-1][0] and not cfg.quiet
-    log = (sys.stderr if cfg.log_to_stderr else sys.stdout, cfg.log_every) if is_logger and cfg.log_every else None
+    is_logger = schedule.num_stages - 1 in mine and rank == schedule.stage_ranks[-1][0] and not cfg.output.quiet
 
     def data(offset: int) -> UnitData:
-        return UnitData(setup.bundle.make_batch, setup.batch_size, setup.microbatches, cfg.seed, offset, device)
+        return UnitData(setup.bundle.make_batch, run.batch_size, run.microbatches, cfg.training.seed, offset, device)
 
+    debug_fail = cfg.debug.debug_fail
     executor = Executor(rank, setup.stages, comm, data(setup.start_step), setup.bundle.loss_fn, cfg.optimizer.lr,
-                        cfg.lr_schedule, clip=cfg.clip_grad_norm, global_clip=cfg.synchronous,
-                        lookahead=cfg.lookahead, record=cfg.trace is not None,
-                        fail_at=parse_debug_fail(cfg.debug_fail) if cfg.debug_fail else None,
-                        log=log, lr_totals=lr_totals)
+                        cfg.training.lr_schedule, clip=clip, global_clip=cfg.synchronous,
+                        lookahead=cfg.performance.lookahead, record=cfg.output.trace is not None,
+                        fail_at=parse_debug_fail(debug_fail) if debug_fail else None,
+                        log_every=cfg.output.log_every if is_logger else 0, lr_totals=lr_totals)
     step_losses: dict[int, list[float]] = {}
     offset, wall = setup.start_step, 0.0
     needs_data = any(setup.stages[k].stage.is_first or setup.stages[k].stage.is_last for k in mine)
-    for (kind, n), sched in zip(setup.segments, setup.schedules):
+    for seg in run.segments:
+        sched = seg.schedule
+        assert sched is not None  # a distributed run has a schedule per segment (ResolvedRun.check)
         executor.data = data(offset)
         if needs_data:  # data generation stays out of the timed window
-            executor.data.prefetch(n)
+            executor.data.prefetch(seg.steps)
         dist.barrier()
         t0 = time.perf_counter()
-        if kind == "timed":
-            executor.t0, executor.events, executor.step_ends = t0, [], {}
+        if seg.timed:
+            executor.t0, executor.events = t0, []
         executor.run(sched.workers[rank])
-        comm.finish(cfg.timeout)
+        comm.finish(cfg.performance.timeout)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         dist.barrier()
-        if kind == "timed":
+        if seg.timed:
             wall = time.perf_counter() - t0
         for u, loss in executor.unit_losses().items():
             step_losses.setdefault(executor.data.step_of(u), []).append(loss)
         executor.losses = {}
-        offset += n
+        offset += seg.steps
     return executor, step_losses, wall, offset
 
 
-def _report(cfg: TrainConfig, setup: _Setup, rank: int, executor: Executor, step_losses: dict[int, list[float]],
-            wall: float) -> dict[str, Any]:
-    """This rank's contribution to the summary (and to the checkpoint, from replica 0 of a stage)."""
+def _report(run: ResolvedRun, setup: _Setup, rank: int, executor: Executor, step_losses: dict[int, list[float]],
+            wall: float) -> RankReport:
+    """This rank's contribution to the result (and to the checkpoint, from replica 0 of a stage)."""
+    cfg = run.config
     stages = setup.stages
-    out: dict[str, Any] = {
-        "rank": rank, "stages": list(stages), "losses": step_losses, "seconds": wall,
-        "steady": _steady_rates(executor.step_ends, cfg.steps),
-        "peak_versions": {k: st.versions.peak for k, st in stages.items()},
-        "alive_versions": {k: st.versions.alive() for k, st in stages.items()},
-        "bytes_sent": executor.comm.bytes_sent,
-        "peak_rss_mib": _proc_status_mib("VmHWM") if setup.peak_reset else None,
-        "rss_end_mib": _proc_status_mib("VmRSS"),
-        "rss_setup_mib": setup.rss_setup_mib,
-        "peak_reset": setup.peak_reset,
-        "peak_rss_life_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
-    }
-    if out["peak_rss_mib"] is None:
-        out["peak_rss_mib"] = out["peak_rss_life_mib"]
-    if cfg.return_state or cfg.save is not None:
-        state: dict[str, torch.Tensor] = {}
-        opt_state: dict[str, dict[str, Any]] = {}
-        stage_steps: dict[str, int] = {}
+    peak = proc_status_mib("VmHWM") if setup.peak_reset else None
+    out = RankReport(
+        rank=rank, stages=list(stages), losses=step_losses, seconds=wall,
+        steady={k: rate for (_, k), rate in steady_state_rates(executor.events, cfg.training.steps).items()},
+        peak_versions={k: st.versions.peak for k, st in stages.items()},
+        alive_versions={k: st.versions.alive() for k, st in stages.items()},
+        bytes_sent=executor.comm.bytes_sent,
+        peak_rss_mib=peak if peak is not None else peak_rss_life_mib(),
+        rss_end_mib=proc_status_mib("VmRSS"), rss_setup_mib=setup.rss_setup_mib, peak_reset=setup.peak_reset,
+        peak_rss_life_mib=peak_rss_life_mib())
+    if cfg.debug.return_state or cfg.checkpoint.save is not None:
         for k, st in stages.items():
-            if setup.schedule.stage_ranks[k][0] != rank:
+            if run.schedule.stage_ranks[k][0] != rank:
                 continue
-            state.update({n: t.detach().to("cpu", copy=True) for n, t in st.versions.latest.items()})
-            state.update({n: b.detach().to("cpu", copy=True) for n, b in st.stage.module.named_buffers()})
+            out.state.update({n: t.detach().to("cpu", copy=True) for n, t in st.versions.latest.items()})
+            out.state.update({n: b.detach().to("cpu", copy=True) for n, b in st.stage.module.named_buffers()})
             sd = st.optimizer.state_dict()
-            opt_state.update(sd["state"])
-            stage_steps.update({n: sd["steps"] for n in st.stage.param_names})
-        state.update({k: v for k, v in setup.extras.items() if k not in state})
-        out.update(state=state, optimizer_state=opt_state, stage_steps=stage_steps)
-    if cfg.trace is not None:
-        out["events"] = [(str(e.action), e.action.op.value, e.action.stage, e.action.mb, e.action.version,
-                          e.action.peer, e.start, e.end) for e in executor.events]
+            out.optimizer_state.update(sd["state"])
+            out.stage_steps.update({n: sd["steps"] for n in st.stage.param_names})
+        out.state.update({k: v for k, v in setup.extras.items() if k not in out.state})
+    if cfg.output.trace is not None:
+        out.events = list(executor.events)
     return out
 
 
-def _steady_of(gathered: list[dict[str, Any]], batch_size: int) -> float | None:
-    """Steady-state samples/s of the run: the slowest stage's rate (see :func:`_steady_rates`)."""
-    rates = [r for g in gathered for r in g.get("steady", {}).values()]
-    return batch_size * min(rates) if rates else None
-
-
-def _steady_rates(step_ends: dict[int, list[float]], minibatches: int) -> dict[int, float]:
-    """Per stage: minibatches per second between its first and last STEP of the timed segment.
-
-    The timed window also holds the pipeline's fill (stage 0 waits for the first backward)
-    and drain (the last stage idles after its last step); in a long run they happen once.
-    This is the rate in between: ``(n - 1)`` steps of ``minibatches / n`` minibatches each
-    over the time from the end of STEP 1 to the end of STEP ``n``. Needs ``n >= 2``.
-    """
-    out: dict[int, float] = {}
-    for k, ends in step_ends.items():
-        n = len(ends)
-        if n >= 2 and ends[-1] > ends[0]:
-            out[k] = (n - 1) * (minibatches / n) / (ends[-1] - ends[0])
-    return out
-
-
-def _summary(cfg: TrainConfig, setup: _Setup, gathered: list[dict[str, Any]], world: int, device: torch.device,
-             end_step: int) -> dict[str, Any]:
-    """Rank 0: the run's summary (``--json``), and the checkpoint."""
+def _result(run: ResolvedRun, setup: _Setup, gathered: list[RankReport], device: torch.device,
+            end_step: int) -> RunResult:
+    """Rank 0: the run's result, and the checkpoint."""
+    cfg = run.config
+    steps = cfg.training.steps
     merged: dict[int, list[float]] = {}
     for g in gathered:
-        for step, ls in g["losses"].items():
+        for step, ls in g.losses.items():
             merged.setdefault(step, []).extend(ls)
 
-    def mean_losses(steps: range) -> list[float]:
-        return [sum(merged[t]) / len(merged[t]) for t in steps if t in merged]
+    def mean_losses(span: range) -> list[float]:
+        return [sum(merged[t]) / len(merged[t]) for t in span if t in merged]
 
-    losses = mean_losses(range(end_step - cfg.steps, end_step))
-    seconds = max(g["seconds"] for g in gathered)
-    plan = setup.plan
-    result: dict[str, Any] = {
-        "steps": cfg.steps, "samples_per_second": setup.batch_size * cfg.steps / seconds if seconds > 0 else 0.0,
-        "final_loss": losses[-1] if losses else None, "losses": losses, "config": plan.config,
-        "schedule": cfg.schedule, "workers": world, "batch_size": setup.batch_size,
-        "microbatches": setup.microbatches, "seconds": seconds, "warmup_steps": cfg.warmup_steps,
-        "warmup_losses": mean_losses(range(setup.start_step, end_step - cfg.steps)), "start_step": setup.start_step,
-        "plan_source": setup.plan_note, "stages": plan.num_stages, "device": str(device),
-        "samples_per_second_steady": _steady_of(gathered, setup.batch_size),
-        "peak_rss_mib": [g["peak_rss_mib"] for g in gathered],
-        "peak_rss_scope": "training" if all(g.get("peak_reset") for g in gathered) else "process",
-        "rss_setup_mib": [g.get("rss_setup_mib") for g in gathered],
-        "rss_end_mib": [g.get("rss_end_mib") for g in gathered],
-        "peak_rss_life_mib": [g.get("peak_rss_life_mib") for g in gathered],
-        "peak_versions": {str(k): v for g in gathered for k, v in g["peak_versions"].items()},
-        "bytes_sent": [g["bytes_sent"] for g in gathered],
-        "stage_nodes": [len(s.nodes) for s in plan.stages],
-        "stage_first_nodes": setup.stage_first_nodes,
-        "stage_first_modules": setup.stage_first_modules,
-    }
-    if cfg.return_state or cfg.save is not None:
+    losses = mean_losses(range(end_step - steps, end_step))
+    seconds = max(g.seconds for g in gathered)
+    plan = run.plan
+    assert plan is not None  # a distributed run has a plan (ResolvedRun.check)
+    rates = [r for g in gathered for r in g.steady.values()]
+    result = RunResult(
+        steps=steps, samples_per_second=run.batch_size * steps / seconds if seconds > 0 else 0.0,
+        final_loss=losses[-1] if losses else None, losses=losses, config=plan.config,
+        schedule=cfg.parallel.schedule, workers=run.world_size, batch_size=run.batch_size,
+        microbatches=run.microbatches, seconds=seconds, warmup_steps=cfg.training.warmup_steps,
+        warmup_losses=mean_losses(range(setup.start_step, end_step - steps)), start_step=setup.start_step,
+        plan_source=run.plan_note, stages=plan.num_stages, device=str(device),
+        samples_per_second_steady=run.batch_size * min(rates) if rates else None,
+        peak_rss_mib=[g.peak_rss_mib for g in gathered],
+        peak_rss_scope="training" if all(g.peak_reset for g in gathered) else "process",
+        rss_setup_mib=[g.rss_setup_mib for g in gathered], rss_end_mib=[g.rss_end_mib for g in gathered],
+        peak_rss_life_mib=[g.peak_rss_life_mib for g in gathered],
+        peak_versions={str(k): v for g in gathered for k, v in g.peak_versions.items()},
+        bytes_sent=[g.bytes_sent for g in gathered], stage_nodes=[len(s.nodes) for s in plan.stages],
+        stage_first_nodes=setup.stage_first_nodes, stage_first_modules=setup.stage_first_modules,
+        run=run.to_json())
+    if cfg.debug.return_state or cfg.checkpoint.save is not None:
         full: dict[str, torch.Tensor] = {}
         opt_state: dict[str, dict[str, Any]] = {}
         stage_steps: dict[str, int] = {}
         for g in gathered:
-            full.update(g.get("state", {}))
-            opt_state.update(g.get("optimizer_state", {}))
-            stage_steps.update(g.get("stage_steps", {}))
+            full.update(g.state)
+            opt_state.update(g.optimizer_state)
+            stage_steps.update(g.stage_steps)
         missing = [k for k in setup.original_keys if k not in full]
         if missing:
             raise RuntimeError(f"checkpoint assembly lacks {len(missing)} tensors (first {missing[0]!r})")
         ordered = {k: full[k] for k in setup.original_keys}
-        if cfg.save is not None:
-            save_checkpoint(cfg.save, ordered, TrainerState(
-                end_step, cfg.model, dict(cfg.model_options), cfg.to_dict()["optimizer"], opt_state, stage_steps))
-            result["saved"] = cfg.save
-        if cfg.return_state:
-            result["state"] = ordered
-            result["alive_versions"] = {str(k): v for g in gathered for k, v in g["alive_versions"].items()}
+        if cfg.checkpoint.save is not None:
+            save_checkpoint(cfg.checkpoint.save, ordered, TrainerState(
+                end_step, cfg.model.name, dict(cfg.model.options), cfg.to_dict()["optimizer"], opt_state,
+                stage_steps))
+            result.saved = cfg.checkpoint.save
+        if cfg.debug.return_state:
+            result.state = ordered
+            result.alive_versions = {str(k): v for g in gathered for k, v in g.alive_versions.items()}
     return result
 
 
@@ -471,19 +353,13 @@ def _buffer_names(captured: Any) -> set[str]:
 
 
 def _resume(cfg: TrainConfig, stages: dict[int, StageRuntime], device: torch.device) -> int:
-    state, trainer = load_checkpoint(cfg.resume)  # type: ignore[arg-type]
-    if trainer.model != cfg.model or trainer.model_options != dict(cfg.model_options):
-        raise RuntimeConfigError(
-            f"checkpoint {cfg.resume} is for model {trainer.model} {trainer.model_options}, not {cfg.model} "
-            f"{dict(cfg.model_options)}; resume with the same --model and --option values")
-    if trainer.optimizer.get("name") != cfg.optimizer.name:
-        raise RuntimeConfigError(
-            f"checkpoint {cfg.resume} was trained with {trainer.optimizer.get('name')}, not {cfg.optimizer.name}; "
-            f"resume with --optimizer {trainer.optimizer.get('name')}")
+    path = str(cfg.checkpoint.resume)
+    state, trainer = load_checkpoint(path)
+    check_resumable(path, trainer, cfg)
     for st in stages.values():
         missing = [n for n in st.stage.param_names if n not in state]
         if missing:
-            raise RuntimeConfigError(f"checkpoint {cfg.resume} lacks parameter {missing[0]!r} of this model")
+            raise RuntimeConfigError(f"checkpoint {path} lacks parameter {missing[0]!r} of this model")
         st.versions.load({n: state[n] for n in st.stage.param_names})
         with torch.no_grad():
             for n, b in st.stage.module.named_buffers():
@@ -496,31 +372,14 @@ def _resume(cfg: TrainConfig, stages: dict[int, StageRuntime], device: torch.dev
     return trainer.step
 
 
-def _write_trace(directory: str, rank: int, events: list[tuple], schedule: Schedule,
-                 gathered: list[Any] | None) -> None:
-    from ..simulate.trace import save_trace, trace_event, trace_process_name, trace_thread_name
-
-    def to_events(r: int, evs: list[tuple]) -> list[dict[str, Any]]:
-        stages = "/".join(str(k) for k in schedule.stages_of_rank(r))
-        out = [trace_process_name(r, f"rank {r} (stage {stages})"), trace_thread_name(r, 0, "compute"),
-               trace_thread_name(r, 1, "comm")]
-        for short, op, stage, unit, version, peer, start, end in evs:
-            args: dict[str, Any] = {"stage": stage, "unit": unit, "op": op}
-            if version is not None:
-                args["version"] = version
-            if peer is not None:
-                args["peer"] = peer
-            comm = op in ("SEND_F", "SEND_B", "RECV_F", "RECV_B", "ALLREDUCE")
-            out.append(trace_event(r, short, start, end, "comm" if comm else "compute", args,
-                                   tid=1 if comm and op != "ALLREDUCE" else 0))
-        return out
-
+def _write_trace(directory: str, rank: int, events: list[Event], schedule: Schedule,
+                 gathered: list[RankReport] | None) -> None:
+    """``DIR/rank{R}.json`` per rank and, on rank 0, the merged ``DIR/trace.json``: the
+    simulator's trace writer (:func:`~pipetrain.schedule.events.write_chrome_trace`), so
+    measured and predicted timelines are the same format and figures."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    save_trace({"traceEvents": to_events(rank, events), "displayTimeUnit": "ms"}, d / f"rank{rank}.json")
+    write_chrome_trace(events, d / f"rank{rank}.json", schedule=schedule, measured=True)
     if gathered is not None:
-        merged: list[dict[str, Any]] = []
-        for g in gathered:
-            merged.extend(to_events(g["rank"], g.get("events", [])))
-        save_trace({"traceEvents": merged, "displayTimeUnit": "ms",
-                    "otherData": {"schedule": schedule.name, "measured": True}}, d / "trace.json")
+        write_chrome_trace([e for g in gathered for e in g.events], d / "trace.json", schedule=schedule,
+                           measured=True)

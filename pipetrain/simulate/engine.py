@@ -30,6 +30,10 @@ Derived figures (see docs/schedules.md, "Simulator"):
   inside it (whole periods of ``lcm(replicas)`` for a minibatch unit) the bubble is the idle
   share of all workers between the first and last of them (``steady_window``; None, and the
   flushed definition, when the run is too short).
+- traffic per worker (:mod:`pipetrain.simulate.traffic`): bytes sent and received by kind
+  (activation, gradient, allreduce, control) from the SEND and ALLREDUCE actions and the
+  costs' per-unit sizes, by the conventions the runtime counts with (docs/traffic.md);
+  ``bytes_per_sample`` in the summary when the costs know the batch size.
 - peak memory per worker: weights' gradient + optimizer state, plus, over time, live weight
   versions (a version lives from the step that makes it until it is superseded and no
   longer used) times the stage's weight bytes, plus units in flight (forward started,
@@ -44,12 +48,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ScheduleError
+from ..plan.traffic import Traffic
 from ..schedule.action import Op, Schedule
 from ..schedule.events import Event, steady_state_time_per_minibatch
 from ..schedule.layout import lcm
 from ..schedule.registry import SCHEDULES
 from ..schedule.validate import TransferKey, deadlock_error, transfer_key
 from .costs import StageCosts
+from .traffic import simulated_samples, simulated_traffic, traffic_summary
 
 _COMPUTE = (Op.F, Op.B, Op.I, Op.W, Op.STEP)
 _BACKWARD_END = (Op.B, Op.W)  # the piece after which a unit's activations are freed
@@ -75,6 +81,8 @@ class SimResult:
     exit_times: list[float]
     steady_window: tuple[float, float] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    traffic: dict[int, Traffic] = field(default_factory=dict)  # rank -> predicted bytes by kind
+    samples: float | None = None  # samples the schedule trains (None: the costs know no batch size)
 
     @property
     def num_workers(self) -> int:
@@ -107,6 +115,7 @@ class SimResult:
             "peak_memory": list(self.peak_memory),
             "peak_in_flight": list(self.peak_in_flight),
             "peak_versions": list(self.peak_versions),
+            **traffic_summary(s, self.traffic, self.samples),
         }
 
 
@@ -240,7 +249,8 @@ def _summarise(schedule: Schedule, costs: StageCosts, timelines: list[list[Event
         peak_memory=peak_mem, peak_in_flight=peak_inflight, peak_versions=peak_versions,
         time_per_minibatch=tpm, throughput=(1.0 / tpm if tpm > 0 else math.inf),
         bubble_fraction=max(0.0, bubble), idle_fraction=max(0.0, idle_fraction), exit_times=exits,
-        steady_window=window,
+        steady_window=window, traffic=simulated_traffic(schedule, costs),
+        samples=simulated_samples(schedule, costs),
     )
 
 

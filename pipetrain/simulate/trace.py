@@ -15,6 +15,8 @@ from ..schedule.events import (  # noqa: F401  (re-exported)
     COMPUTE_TID, chrome_trace, save_trace, trace_event, trace_process_name, trace_thread_name, write_chrome_trace,
 )
 
+from .traffic import traffic_summary
+
 if TYPE_CHECKING:
     from .engine import SimResult
 
@@ -23,8 +25,10 @@ __all__ = ["COMPUTE_TID", "chrome_trace", "save_trace", "to_chrome_trace", "trac
 
 
 def to_chrome_trace(result: "SimResult") -> dict[str, Any]:
-    """The simulated run as a Chrome trace dict (``{"traceEvents": [...], ...}``)."""
+    """The simulated run as a Chrome trace dict (``{"traceEvents": [...], ...}``); ``otherData``
+    carries the predicted traffic (:func:`~pipetrain.plan.traffic.traffic_report`)."""
     return chrome_trace(result.events, schedule=result.schedule, measured=False, meta={
         "makespan_s": result.makespan, "bubble_fraction": result.bubble_fraction,
         "time_per_minibatch_s": result.time_per_minibatch,
+        **traffic_summary(result.schedule, result.traffic, result.samples),
     })

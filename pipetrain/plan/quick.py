@@ -1,0 +1,82 @@
+"""``pipetrain train`` without ``--plan``: profile the model quickly on this machine and plan.
+
+:func:`quick_plan` is what the launcher calls when a run names only its number of workers:
+a short profile of the captured model (one warm-up, two repeats), then :func:`~pipetrain.plan.api.plan`
+on a flat topology of ``workers`` local processes. Any failure of the profile or the planner,
+or a plan the run's schedule cannot execute on exactly ``workers`` ranks, falls back to a
+balanced split into ``workers`` single-replica stages (:func:`~pipetrain.plan.cuts.split_by_config`).
+The returned note says which happened (it is recorded in the run's outputs).
+
+Measured times differ from run to run, so the answer is computed once, in the launcher (or
+by rank 0 under an outer ``torchrun``), and handed to every worker.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Mapping
+
+from .cuts import split_by_config
+from .types import Plan, Topology
+
+if TYPE_CHECKING:
+    from ..graph.capture import CapturedModel
+
+__all__ = ["quick_plan", "LOCAL_BANDWIDTH"]
+
+#: Bandwidth assumed between local worker processes when the planner is asked (bytes/s).
+LOCAL_BANDWIDTH = 2e9
+
+
+def _memory_model(schedule: str, known: tuple[str, ...]) -> str:
+    """The schedule whose memory rule the planner applies: the run's own when the planner has
+    one, else the first flushed 1F1B schedule's (``flush``)."""
+    from ..schedule import SCHEDULES
+
+    if schedule in known:
+        return schedule
+    return next(n for n in known if SCHEDULES[n].flushes and SCHEDULES[n].memory_rule == "one_f_one_b")
+
+
+def quick_plan(captured: "CapturedModel", inputs: tuple[Any, ...], *, batch_size: int, workers: int,
+               schedule: str, microbatches: int, schedule_options: Mapping[str, Any] | None = None,
+               optimizer: str = "sgd", momentum: float = 0.0, threads: int | None = None,
+               model_name: str = "") -> tuple[Plan, str]:
+    """The planner's plan for ``workers`` local ranks, from a quick profile; or a balanced split.
+
+    Args:
+        captured: the captured model (its nodes are the plan's).
+        inputs: one minibatch of inputs (``batch_size`` samples) to profile with.
+        schedule: the schedule the run executes; the planner's memory model uses it when it
+            has one for it (``plan.memory.SCHEDULES``), else a flushed 1F1B schedule's.
+        microbatches: units per minibatch of the run.
+        schedule_options: the run's schedule options (checked by building one step).
+
+    Returns:
+        ``(plan, note)``: the plan, and one line saying where it came from.
+    """
+    from ..errors import PipetrainError
+    from ..schedule import get_schedule
+    from .api import PlanOptions, plan as run_planner
+    from .memory import SCHEDULES as MEMORY_MODELS
+
+    fallback = split_by_config(captured, [1] * workers, model_name, batch_size)
+    try:
+        from ..profile.profiler import profile_captured
+
+        prof = profile_captured(captured, inputs, batch_size=batch_size, warmup=1, repeats=2, optimizer=optimizer,
+                                momentum=momentum, model_name=model_name, threads=threads)
+        opts = PlanOptions(schedule=_memory_model(schedule, MEMORY_MODELS), microbatches=microbatches)
+        chosen = run_planner(prof, Topology.flat(workers, LOCAL_BANDWIDTH), opts)
+    except (PipetrainError, Exception) as e:  # noqa: BLE001 - any profile/planner failure falls back
+        return fallback, f"balanced split into {workers} stages (planner failed: {type(e).__name__}: {e})"
+    spec = get_schedule(schedule)
+    options = dict(schedule_options or {})
+    try:  # the schedule must run the plan's replicas on exactly `workers` ranks
+        usable = spec.ranks_needed(chosen.replicas, options) == workers
+        if usable:
+            spec.build(chosen.replicas, microbatches, 1, **options)
+    except PipetrainError:
+        usable = False
+    if not usable:
+        return fallback, (f"balanced split into {workers} stages (the planner's plan {chosen.config} does not run "
+                          f"on exactly {workers} workers with {schedule})")
+    return chosen, f"planner ({chosen.config}) from a quick profile on this machine"

@@ -1,0 +1,280 @@
+"""From a :class:`~pipetrain.runtime.config.TrainConfig` to a :class:`~pipetrain.runtime.resolved.ResolvedRun`.
+
+:func:`resolve_run` makes every decision of a run, once, in this order, asking the
+schedule's :class:`~pipetrain.schedule.ScheduleSpec` wherever the schedule matters:
+
+1. the world size (``--workers``, or what ``--config`` / ``--plan`` / ``--cut`` need);
+2. the batch size (``--batch-size``, else the model's) and the microbatches (``--microbatches``,
+   else ``spec.default_microbatches``), which must divide it;
+3. the model (built from the seed) and its capture;
+4. the plan: ``--plan`` loaded, ``--cut`` / ``--config`` / the schedule's own layout cut by
+   :mod:`pipetrain.plan.cuts`, or the planner's from a quick profile (:mod:`pipetrain.plan.quick`);
+   checked against the captured graph (every node in one stage, stages in graph order);
+5. the complete schedule of every segment (warm-up, timed).
+
+The result is checked (:meth:`ResolvedRun.check`) and handed, unchanged, to every worker.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..errors import RuntimeConfigError
+from ..plan.cuts import split_at_cuts, split_by_config
+from ..plan.types import Plan
+from ..runtime.config import TrainConfig, parse_config, parse_cut
+from ..runtime.model import load_bundle
+from ..runtime.resolved import ResolvedRun, Segment
+
+__all__ = ["resolve_run", "resolve_with_bundle", "resolve_batch_size", "implied_workers", "ONE_PROCESS_NOTE"]
+
+ONE_PROCESS_NOTE = "one process (plain training with torch.optim)"
+
+
+def resolve_batch_size(cfg: TrainConfig) -> int:
+    """``--batch-size``, else the model's default batch size."""
+    if cfg.training.batch_size is not None:
+        return cfg.training.batch_size
+    name = cfg.model.name
+    if ":" not in name:
+        from ..models import default_batch_size
+
+        return int(default_batch_size(name))
+    from ..models import load_model
+
+    return int(load_model(name, **cfg.model.options).batch_size)
+
+
+def _chunks(cfg: TrainConfig) -> int:
+    """Model stages per rank (``virtual_stages`` for interleaved, else 1)."""
+    return int(cfg.spec.chunks_per_rank(cfg.parallel.schedule_options))
+
+
+def _config_replicas(cfg: TrainConfig) -> list[int]:
+    """``--config``'s replicas per rank stage, as replicas per *model* stage."""
+    par, spec = cfg.parallel, cfg.spec
+    reps = parse_config(par.config)  # type: ignore[arg-type]
+    if not spec.replicates and any(r != 1 for r in reps):
+        raise RuntimeConfigError(
+            f"{par.schedule} does not replicate stages: --config must be all 1s (one per rank), got {par.config}")
+    if spec.one_stage and len(reps) != 1:
+        raise RuntimeConfigError(
+            f"{par.schedule} runs one stage on every worker: --config must be one number (e.g. {sum(reps)}), got "
+            f"{par.config}")
+    v = _chunks(cfg)
+    return [r for r in reps for _ in range(v)]
+
+
+def _given_replicas(cfg: TrainConfig) -> list[int] | None:
+    """Replicas per model stage fixed by ``--plan`` / ``--cut`` / ``--config`` (no model needed)."""
+    par = cfg.parallel
+    if par.plan is not None:
+        return Plan.load(par.plan).replicas
+    if par.cut is not None:
+        return _config_replicas(cfg) if par.config is not None else [1] * (len(parse_cut(par.cut)) + 1)
+    if par.config is not None:
+        return _config_replicas(cfg)
+    return None
+
+
+def implied_workers(cfg: TrainConfig) -> int | None:
+    """Workers that ``--plan`` / ``--config`` / ``--cut`` need (cheap, no model), else ``None``."""
+    reps = _given_replicas(cfg)
+    return None if reps is None else int(cfg.spec.ranks_needed(reps, cfg.parallel.schedule_options))
+
+
+def _check_workers(cfg: TrainConfig, workers: int) -> None:
+    need = implied_workers(cfg)
+    if need is not None and need != workers:
+        par = cfg.parallel
+        src = (f"--config {par.config}" if par.config is not None else
+               f"the plan {par.plan}" if par.plan is not None else f"--cut {par.cut}")
+        v = _chunks(cfg)
+        extra = f" ({v} stages per rank)" if v > 1 else ""
+        raise RuntimeConfigError(
+            f"--workers {workers} does not match {src}, which needs {need} workers{extra}; pass --workers {need} "
+            f"or change the {'config' if par.config is not None else 'plan'}")
+
+
+def _layout_replicas(cfg: TrainConfig, workers: int) -> list[int] | None:
+    """Replicas per model stage, when the configuration or the schedule's layout fixes them;
+    ``None`` when the planner chooses."""
+    given = _given_replicas(cfg)
+    if given is not None:
+        return given
+    if workers == 1:
+        return [1]
+    if cfg.spec.one_stage:
+        return [workers]
+    if _chunks(cfg) > 1:
+        return [1] * (workers * _chunks(cfg))
+    return None
+
+
+def _microbatches(cfg: TrainConfig, model_replicas: list[int]) -> int:
+    if cfg.parallel.microbatches is not None:
+        return cfg.parallel.microbatches
+    ranks = cfg.spec.rank_replicas(model_replicas, cfg.parallel.schedule_options)
+    return int(cfg.spec.default_microbatches(len(ranks), ranks))
+
+
+def _check_divides(batch: int, m: int) -> None:
+    if batch % m:
+        lower = max(d for d in range(1, m + 1) if batch % d == 0)
+        raise RuntimeConfigError(
+            f"batch size {batch} is not divisible by microbatches {m}: every microbatch must have the same size; "
+            f"use --microbatches {lower} or --batch-size {(batch // m + 1) * m}")
+
+
+def _check_steps_period(cfg: TrainConfig, model_replicas: list[int], source: str) -> None:
+    """Steps must be a multiple of ``spec.steps_period`` (pipedream: every replica count)."""
+    ranks = cfg.spec.rank_replicas(model_replicas, cfg.parallel.schedule_options)
+    period = int(cfg.spec.steps_period(ranks))
+    for n, what in ((cfg.training.warmup_steps, "--warmup-steps"), (cfg.training.steps, "--steps")):
+        if n and n % period:
+            raise RuntimeConfigError(
+                f"{cfg.parallel.schedule} steps a stage with r replicas once per r minibatches, so {what} must be a "
+                f"multiple of every replica count of {source}: got {what} {n}; use {what} {(n // period + 1) * period}")
+
+
+def _step_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
+    return ([("warmup", cfg.training.warmup_steps)] if cfg.training.warmup_steps else []) + \
+        [("timed", cfg.training.steps)]
+
+
+def _one_stage_names() -> str:
+    """The schedules that run one stage on every worker (dp), for messages."""
+    from ..schedule import SCHEDULES
+
+    return " / ".join(s.name for s in SCHEDULES.values() if s.one_stage)
+
+
+def _too_many_stages(cfg: TrainConfig, workers: int, layers: int, stages: int) -> RuntimeConfigError:
+    model = cfg.model.name
+    v = _chunks(cfg)
+    if v > 1:
+        flag = "--" + str(cfg.spec.chunks_option).replace("_", "-")
+        return RuntimeConfigError(
+            f"--workers {workers} with {flag} {v} needs {stages} stages but model {model} has only {layers} "
+            f"layers; use at most --workers {max(1, layers // v)}, or fewer {flag}")
+    rest = workers - layers + 1
+    example = "-".join([str(rest)] + ["1"] * (layers - 1)) if layers > 1 else str(workers)
+    return RuntimeConfigError(
+        f"--workers {workers} needs {stages} pipeline stages (one per worker) but model {model} has only "
+        f"{layers} layers; use at most --workers {layers}, or replicate stages with --config (e.g. --config "
+        f"{example}) or --schedule {_one_stage_names()}")
+
+
+def _check_layers(cfg: TrainConfig, workers: int, layers: int) -> None:
+    """More model stages than layers: say how many workers fit."""
+    par, spec = cfg.parallel, cfg.spec
+    if spec.one_stage or par.plan is not None or par.cut is not None:
+        return
+    if par.config is None:
+        stages = int(spec.model_stages(workers, par.schedule_options))
+        if stages > layers:
+            raise _too_many_stages(cfg, workers, layers, stages)
+        return
+    n = len(_config_replicas(cfg))
+    if n > layers:
+        v = _chunks(cfg)
+        raise RuntimeConfigError(
+            f"--config {par.config} has {n} stages but model {cfg.model.name} has only {layers} layers; use at most "
+            f"{layers} stages (replicate stages instead, e.g. --config {workers - layers + 1}{'-1' * (layers - 1)})"
+            if v == 1 else
+            f"--config {par.config} with {v} stages per rank has {n} stages but model {cfg.model.name} has only "
+            f"{layers} layers; use at most {max(1, layers // v)} ranks")
+
+
+def _choose_plan(cfg: TrainConfig, captured: Any, bundle: Any, batch: int, workers: int, m: int,
+                 replicas: list[int] | None) -> tuple[Plan, str]:
+    """The plan and where it came from (module docstring, step 4)."""
+    par, spec = cfg.parallel, cfg.spec
+    name = str(getattr(bundle, "name", cfg.model.name))
+    if par.plan is not None:
+        return Plan.load(par.plan), f"plan file {par.plan}"
+    if par.cut is not None:
+        note = f"--cut {par.cut}" + (f" with --config {par.config}" if par.config is not None else "")
+        return split_at_cuts(captured, parse_cut(par.cut), replicas or [], name, batch), note
+    if par.config is not None:
+        return split_by_config(captured, replicas or [], name, batch), f"--config {par.config} split by estimated compute"
+    if replicas is not None:
+        if spec.one_stage:
+            return split_by_config(captured, replicas, name, batch), f"one stage on every worker ({spec.name})"
+        if workers == 1:
+            return split_by_config(captured, replicas, name, batch), "one stage"
+        v = _chunks(cfg)
+        return (split_by_config(captured, replicas, name, batch),
+                f"{len(replicas)} stages ({v} per rank) split by estimated compute")
+    from ..plan.quick import quick_plan
+
+    inputs = bundle.make_batch(batch, torch.Generator().manual_seed(cfg.training.seed))[0]
+    return quick_plan(captured, tuple(inputs), batch_size=batch, workers=workers, schedule=spec.name, microbatches=m,
+                      schedule_options=par.schedule_options, optimizer=cfg.optimizer.name,
+                      momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=name)
+
+
+def _load(cfg: TrainConfig, unit_batch: int) -> Any:
+    """The model bundle, leaving this process's random state as it was."""
+    state = torch.random.get_rng_state()
+    try:
+        return load_bundle(cfg, unit_batch)
+    finally:
+        torch.random.set_rng_state(state)
+
+
+def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[ResolvedRun, Any]:
+    """:func:`resolve_run`, also returning the model bundle it built (for cheap checks)."""
+    from ..graph.capture import capture
+    from ..runtime.stage import partition_graph
+
+    par, spec = cfg.parallel, cfg.spec
+    options = par.schedule_options
+    workers = world if world is not None else (par.workers or implied_workers(cfg) or 1)
+    _check_workers(cfg, workers)
+    batch = resolve_batch_size(cfg)
+    counts = _step_counts(cfg)
+    if workers == 1:
+        m = par.microbatches or 1
+        _check_divides(batch, m)
+        run = ResolvedRun(cfg, 1, batch, m, None, ONE_PROCESS_NOTE, options,
+                          tuple(Segment(kind, n) for kind, n in counts))
+        run.check()
+        return run, _load(cfg, batch)
+    replicas = _layout_replicas(cfg, workers)
+    m = _microbatches(cfg, replicas if replicas is not None else [1] * workers)
+    _check_divides(batch, m)
+    if replicas is not None:
+        _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
+    bundle = _load(cfg, batch // m)
+    captured = capture(bundle.model, bundle.example_inputs)
+    _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
+    plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas)
+    if replicas is None:  # the planner chose the replicas: the default microbatches follow them
+        _check_steps_period(cfg, plan.replicas, f"the plan ({plan.config})")
+        m2 = _microbatches(cfg, plan.replicas)
+        if m2 != m:
+            _check_divides(batch, m2)
+            m, bundle = m2, _load(cfg, batch // m2)
+    need = int(spec.ranks_needed(plan.replicas, options))
+    if need != workers:
+        raise RuntimeConfigError(
+            f"the plan ({plan.config}) needs {need} workers but the run has {workers}; pass --workers {need} or "
+            f"another plan")
+    partition_graph(captured.gm, [list(s.nodes) for s in plan.stages])  # the plan fits the captured graph
+    segments = tuple(Segment(kind, n, spec.build(plan.replicas, m, n, **options)) for kind, n in counts)
+    run = ResolvedRun(cfg, workers, batch, m, plan, note, options, segments)
+    run.check()
+    return run, bundle
+
+
+def resolve_run(cfg: TrainConfig, world: int | None = None) -> ResolvedRun:
+    """Every decision of the run (module docstring); raises a PipetrainError on bad input.
+
+    Args:
+        cfg: the configuration.
+        world: the number of ranks when it is fixed from outside (an outer ``torchrun``);
+            ``None``: ``--workers``, else what the configuration needs, else 1.
+    """
+    return resolve_with_bundle(cfg, world)[0]

@@ -1,0 +1,91 @@
+"""What a run reports: each rank's :class:`RankReport`, the run's :class:`RunResult`.
+
+Every rank builds a :class:`RankReport` after training and ``gather_object``-s it to rank 0,
+which merges them into the :class:`RunResult` (:func:`merge_reports`). The one-process path
+builds the same :class:`RunResult` directly, so both report the same fields.
+``RunResult.to_json()`` is what ``pipetrain train --json`` prints.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from ..schedule.events import Event
+
+__all__ = ["RankReport", "RunResult"]
+
+
+@dataclass
+class RankReport:
+    """One rank's measurements (and, for checkpoints, its stages' state)."""
+
+    rank: int
+    stages: list[int]
+    losses: dict[int, list[float]]               # step -> unit losses of this rank's last stage
+    seconds: float                               # the timed segment, wall clock
+    steady: dict[int, float]                     # stage -> minibatches/s between its first and last STEP
+                                                 # (schedule.events.steady_state_rates)
+    peak_versions: dict[int, int]
+    alive_versions: dict[int, int]
+    bytes_sent: int
+    peak_rss_mib: float | None
+    rss_end_mib: float | None
+    rss_setup_mib: float | None
+    peak_reset: bool
+    peak_rss_life_mib: float
+    state: dict[str, torch.Tensor] = field(default_factory=dict)          # replica 0 of each stage
+    optimizer_state: dict[str, dict[str, Any]] = field(default_factory=dict)
+    stage_steps: dict[str, int] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)                    # with --trace: every action
+
+
+@dataclass
+class RunResult:
+    """A finished run's figures (rank 0's, or the one process's).
+
+    ``losses`` are the mean loss of every timed step; ``samples_per_second`` counts the whole
+    timed window, ``samples_per_second_steady`` the slowest stage's rate between its first
+    and last step (the one definition the simulator uses too:
+    :func:`pipetrain.schedule.events.steady_state_rates`; ``None`` for one process or
+    under two steps).
+    Memory figures are per rank in MiB. ``state`` (not in JSON) holds the final parameters
+    when ``return_state`` was asked.
+    """
+
+    steps: int
+    samples_per_second: float
+    final_loss: float | None
+    losses: list[float]
+    config: str                                   # replicas per stage, e.g. "2-1"
+    schedule: str
+    workers: int
+    batch_size: int
+    microbatches: int
+    seconds: float
+    warmup_steps: int
+    warmup_losses: list[float]
+    start_step: int
+    plan_source: str
+    stages: int
+    device: str
+    peak_rss_mib: list[float | None]
+    peak_rss_scope: str                           # "training" (peak reset after setup) | "process"
+    rss_setup_mib: list[float | None]
+    rss_end_mib: list[float | None]
+    peak_rss_life_mib: list[float | None]
+    samples_per_second_steady: float | None = None
+    peak_versions: dict[str, int] = field(default_factory=dict)
+    bytes_sent: list[int] = field(default_factory=list)
+    stage_nodes: list[int] = field(default_factory=list)
+    stage_first_nodes: list[str] = field(default_factory=list)
+    stage_first_modules: list[str] = field(default_factory=list)
+    saved: str | None = None
+    alive_versions: dict[str, int] | None = None
+    run: dict[str, Any] = field(default_factory=dict)       # ResolvedRun.to_json()
+    state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        """Every field but ``state``, as JSON-friendly values."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "state"}
