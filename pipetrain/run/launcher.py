@@ -37,7 +37,12 @@ def train(cfg: TrainConfig) -> RunResult | None:
     if not cfg.output.quiet:
         setup_logging(cfg.output.progress_to_stderr)
     if under_torchrun():
-        return _train_as_worker(cfg)
+        from ..runtime.worker import shutdown_process_group
+
+        try:
+            return _train_as_worker(cfg)
+        finally:
+            shutdown_process_group()  # never leave the group to static destruction (see there)
     from ..runtime import launch, single
     from . import checks
 
