@@ -23,6 +23,22 @@ order on every rank); the last element of the buffer carries the number of units
 accumulated, so STEP can divide by the group's total. Global gradient clipping sums squared
 norms over all ranks in a group of its own. Every wait is bounded by the process group's
 timeout.
+
+Accounting (:attr:`Comm.traffic`, a :class:`~pipetrain.plan.traffic.Traffic`): every message
+and collective is counted by kind as it is started (sends, collectives) or completed
+(receives), with the conventions of :mod:`pipetrain.plan.traffic`, whose
+:func:`~pipetrain.plan.traffic.predict_traffic` predicts the same figures from the schedule:
+
+- a ``SEND_F``/``RECV_F`` message is ``activation``, a ``SEND_B``/``RECV_B`` one ``gradient``
+  (the bytes of its wire tensors; a transfer to this same rank counts nothing);
+- an all-reduce of a stage's flat buffer of ``n`` elements of size ``e`` over ``r`` ranks is
+  ``allreduce`` for the ``n - 1`` gradient elements and ``control`` for the count element,
+  each counted as the ring figure ``floor(2 (r-1) bytes / r)`` sent and received, and as
+  ``bytes`` in ``reduced``;
+- the global clipping norm (one float64 over all ranks) is ``control``.
+
+:meth:`Comm.traffic_since` gives the counts since a snapshot (e.g. the timed segment), and
+:func:`cut_bytes` the exact per-unit sizes of every cut from the codecs, for the prediction.
 """
 from __future__ import annotations
 
@@ -37,10 +53,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..plan.traffic import CutBytes, ReduceBuffer, Traffic
 from ..schedule.action import Action, Op, Schedule
 from .boundary import BoundaryCodec, WireSpec
 
-__all__ = ["Comm", "message_specs"]
+__all__ = ["Comm", "message_specs", "cut_bytes", "reduce_buffers"]
 
 _F, _B = 0, 1
 
@@ -50,6 +67,28 @@ def message_specs(codec: BoundaryCodec, direction: int) -> list[WireSpec]:
     if direction == _F:
         return list(codec.specs)
     return [codec.specs[i] for i in codec.grad_indices]
+
+
+def cut_bytes(codecs: Sequence[BoundaryCodec]) -> list[CutBytes]:
+    """Exact bytes one unit moves across every cut: all wires forward, the needs-grad wires back."""
+    return [CutBytes(sum(s.nbytes for s in message_specs(c, _F)), sum(s.nbytes for s in message_specs(c, _B)))
+            for c in codecs]
+
+
+def reduce_buffers(params: Sequence[Tensor]) -> list[ReduceBuffer]:
+    """The flat all-reduce buffers of a replicated stage with these trainable parameters: one per
+    dtype (in order of first appearance), gradients plus one count element."""
+    by_dtype: dict[torch.dtype, int] = {}
+    for p in params:
+        by_dtype[p.dtype] = by_dtype.get(p.dtype, 0) + p.numel()
+    return [ReduceBuffer(n * _element_size(dt), _element_size(dt)) for dt, n in by_dtype.items()]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+_KIND = {_F: "activation", _B: "gradient"}
 
 
 @dataclass
@@ -132,7 +171,8 @@ class Comm:
         self._reapers: dict[int, _Reaper] = {}
         self._tickets: list[_Ticket] = []
         self._zeros: dict[tuple[tuple[int, ...], torch.dtype], Tensor] = {}
-        self.bytes_sent = 0
+        self.traffic = Traffic()  # counted by kind (module docstring)
+        self._group_size = [len(r) for r in schedule.stage_ranks]
         ncuts = max(1, len(self.codecs))
         width = max([len(c.specs) for c in self.codecs] + [1])
         self._width = width
@@ -150,6 +190,16 @@ class Comm:
                         self.groups[k] = g
             if global_clip and dist.get_world_size() > 1:
                 self.clip_group = dist.new_group(ranks=list(range(dist.get_world_size())), timeout=td)
+
+    # -- accounting ----------------------------------------------------------------------
+    @property
+    def bytes_sent(self) -> int:
+        """Bytes this worker sent, every kind (collectives by the ring convention)."""
+        return int(self.traffic.total_sent)
+
+    def traffic_since(self, snapshot: Traffic) -> Traffic:
+        """What was counted since ``snapshot`` (a ``comm.traffic.copy()`` taken earlier)."""
+        return self.traffic - snapshot
 
     # -- tags and keys -------------------------------------------------------------------
     @staticmethod
@@ -234,6 +284,7 @@ class Comm:
                 raise RuntimeError(f"rank {self.rank}: {action.long} has no matching local send before it") from None
         for w in works:
             w.wait()
+        self.traffic.count_receive(_KIND[d], sum(b.numel() * b.element_size() for b in bufs))
         return bufs
 
     def send(self, action: Action, tensors: Sequence[Tensor]) -> None:
@@ -254,16 +305,19 @@ class Comm:
                     f"sequence length and microbatch size for every unit)")
             out.append(t if t.is_contiguous() else t.contiguous())
         key = (cut, d, action.mb)
-        if action.peer == self.rank or not self.distributed:
+        peer = action.peer
+        if peer == self.rank or not self.distributed:
             self._local[key] = out
             return
+        if peer is None:
+            raise RuntimeError(f"rank {self.rank}: {action.long} has no peer; build schedules with insert_comm")
         if self.nccl:  # different peers use different streams: never send a buffer we may reuse
             out = [t.clone() if id(t) in self._pooled else t for t in out]
-        works = [dist.isend(t, dst=action.peer, tag=self._tag(cut, d, action.mb, i)) for i, t in enumerate(out)]
-        self.bytes_sent += sum(t.numel() * t.element_size() for t in out)
-        reaper = self._reapers.get(action.peer)
+        works = [dist.isend(t, dst=peer, tag=self._tag(cut, d, action.mb, i)) for i, t in enumerate(out)]
+        self.traffic.count_send(_KIND[d], sum(t.numel() * t.element_size() for t in out))
+        reaper = self._reapers.get(peer)
         if reaper is None:
-            reaper = self._reapers[action.peer] = _Reaper(self.nccl)
+            reaper = self._reapers[peer] = _Reaper(self.nccl)
         for w, t in zip(works, out):
             tk = _Ticket(w, [t], [_storage(t)])
             self._tickets.append(tk)
@@ -277,6 +331,10 @@ class Comm:
         group = self.groups.get(stage)
         if group is None:
             return None
+        # the last element carries the unit count (control); the rest are gradients
+        e, r = flat.element_size(), self._group_size[stage]
+        self.traffic.count_collective("allreduce", (flat.numel() - 1) * e, r)
+        self.traffic.count_collective("control", e, r, calls=0)
         return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def sum_over_ranks(self, value: float) -> float:
@@ -284,6 +342,7 @@ class Comm:
         if self.clip_group is None:
             return value
         t = torch.tensor([value], dtype=torch.float64, device=self.device)
+        self.traffic.count_collective("control", t.numel() * t.element_size(), dist.get_world_size())
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.clip_group)
         return float(t.item())
 
