@@ -1,0 +1,110 @@
+"""Measuring the current hosts' communication costs with gloo (``pipetrain calibrate``).
+
+:func:`calibrate` starts one process per rank, on loopback or one per host of an
+:class:`~pipetrain.cluster.netns.EmulatedCluster` (gloo bound to the host's interface), each
+running the script :mod:`pipetrain.cluster.gloo_probe` (ping-pong and all-reduce timings of
+growing sizes; see there), and fits :class:`~pipetrain.cluster.calibration.Calibration` to
+rank 0's samples with :func:`~pipetrain.cluster.calibration.fit_link`. A run takes a few
+seconds whatever the link speed: sizes stop growing once one message takes longer than
+``max_message_seconds``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+from . import gloo_probe
+from .calibration import Calibration, Sample, fit_link
+from .errors import CalibrationError, ClusterError
+from .netns import EmulatedCluster
+
+__all__ = ["calibrate", "CALIBRATION_PORT"]
+
+CALIBRATION_PORT = 29510  # the store's port inside an emulated host (each host has its own port space)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker_argv(rank: int, world: int, master: str, max_message_seconds: float, timeout: float) -> list[str]:
+    return [sys.executable, os.path.abspath(gloo_probe.__file__), "--rank", str(rank), "--world", str(world),
+            "--master", master, "--max-message-seconds", str(max_message_seconds), "--timeout", str(timeout)]
+
+
+def calibrate(cluster: EmulatedCluster | None = None, ranks: int = 2, max_message_seconds: float = 0.1,
+              timeout: float = 60.0) -> Calibration:
+    """Measure point-to-point and all-reduce costs of the current hosts and fit them.
+
+    Args:
+        cluster: an emulated cluster that is up: one rank per host, gloo on the hosts'
+            interfaces. None: ``ranks`` local processes on loopback (``lo``).
+        ranks: ranks on loopback (>= 2; ignored with a cluster, which needs >= 2 hosts).
+        max_message_seconds: stop growing message sizes once one takes longer than this.
+        timeout: seconds for the whole measurement; every process is killed after it.
+    """
+    if cluster is not None:
+        ranks = cluster.hosts
+        if ranks < 2:
+            raise ClusterError(f"calibration needs 2 or more hosts, the cluster has {ranks}; use --hosts 2")
+    elif ranks < 2:
+        raise ClusterError(f"calibration needs 2 or more ranks, got {ranks}; use --ranks 2")
+    if not max_message_seconds > 0 or not timeout > 0:
+        raise ClusterError(f"max_message_seconds and timeout must be > 0, got {max_message_seconds} and {timeout}")
+    t0 = time.monotonic()
+    master = f"127.0.0.1:{_free_port()}" if cluster is None else f"{cluster.address(0)}:{CALIBRATION_PORT}"
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        for r in range(ranks):
+            argv = _worker_argv(r, ranks, master, max_message_seconds, timeout)
+            kw: dict[str, Any] = {"stdout": subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                                  "stderr": subprocess.PIPE, "text": True}
+            if cluster is None:  # gloo on loopback
+                env = {"GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1"}
+                procs.append(subprocess.Popen(argv, env={**os.environ, **env}, stdin=subprocess.DEVNULL,
+                                              start_new_session=True, **kw))
+            else:  # rank r on host r, gloo on its veth
+                env = {"GLOO_SOCKET_IFNAME": cluster.interface(r), "OMP_NUM_THREADS": "1"}
+                procs.append(cluster.popen(r, argv, env=env, **kw))
+        deadline = t0 + timeout
+        try:
+            out, err0 = procs[0].communicate(timeout=max(1.0, deadline - time.monotonic()))
+            errs = [err0]
+            for p in procs[1:]:
+                errs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[1])
+        except subprocess.TimeoutExpired:
+            raise CalibrationError(f"calibration did not finish within {timeout:g} s; pass a larger timeout "
+                                   "or a smaller max_message_seconds") from None
+        bad = [(r, p.returncode, e) for r, (p, e) in enumerate(zip(procs, errs)) if p.returncode != 0]
+        if bad:
+            r, code, e = bad[0]
+            tail = " | ".join(e.strip().splitlines()[-3:])
+            raise RuntimeError(f"calibration rank {r} failed (exit {code}): {tail}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                try:
+                    os.killpg(p.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                p.wait(timeout=5)
+    samples = [Sample(**s) for s in json.loads(out.strip().splitlines()[-1])["samples"]]
+    p2p = [s for s in samples if s.kind == "p2p"]
+    ar = [s for s in samples if s.kind == "allreduce"]
+    return Calibration(
+        p2p=fit_link([s.bytes for s in p2p], [s.seconds for s in p2p]),
+        allreduce=fit_link([s.bytes for s in ar], [s.seconds for s in ar]),
+        allreduce_ranks=ranks, hosts=1 if cluster is None else cluster.hosts, ranks=ranks,
+        where="loopback" if cluster is None else "emulated",
+        bandwidth_limit_bits_per_second=None if cluster is None else cluster.bandwidth_bits,
+        samples=tuple(samples), measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        seconds=time.monotonic() - t0)

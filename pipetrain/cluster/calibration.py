@@ -1,0 +1,184 @@
+"""The calibration file: measured communication costs, and the fit that produces them.
+
+Cost model (Hockney's alpha-beta model; PipeDream's planner uses its bandwidth term):
+
+    t(S) = latency + S / bandwidth           seconds for a message of S bytes
+
+fitted (:func:`fit_link`) separately for a point-to-point message between two ranks (gloo
+send/recv) and for an all-reduce (sum) of an S-byte buffer over ``allreduce_ranks`` ranks.
+For a ring all-reduce over n ranks on links of bandwidth B each rank sends ``2 (n-1)/n * S``
+bytes, so the fitted all-reduce bandwidth is the *algorithm* bandwidth ``B * n / (2 (n-1))`` and
+:attr:`Calibration.allreduce_bus_bandwidth` converts it back to a per-link figure (B).
+
+File format (JSON, ``format: "pipetrain-calibration"``, ``version: 1``); every figure is in
+SI units (seconds, bytes, bits/s where the name says bits)::
+
+    {"format": "pipetrain-calibration", "version": 1,
+     "where": "emulated" | "loopback",       # what was measured
+     "hosts": 2, "ranks": 2,                 # hosts, ranks (one per host when emulated)
+     "bandwidth_limit_bits_per_second": 50000000 | null,   # tbf rate of the emulated links
+     "p2p": {"latency_seconds": 9.1e-05, "bandwidth_bytes_per_second": 6.0e+06},
+     "allreduce": {"latency_seconds": ..., "bandwidth_bytes_per_second": ...},
+     "allreduce_ranks": 2,
+     "samples": [{"kind": "p2p" | "allreduce", "bytes": 4096, "seconds": 1.2e-4, "reps": 5,
+                  "median_seconds": 1.3e-4}, ...],
+     "measured_at": "2026-12-01T04:10:00Z", "seconds": 3.2}
+
+``samples[].seconds`` is the fastest of ``reps`` timings of one message (half a ping-pong
+round trip for p2p; one all-reduce for allreduce), ``median_seconds`` their median; the fits
+use the fastest (on a shared machine the slow ones measure the CPU scheduler, not the link).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Sequence
+
+from .errors import CalibrationError
+
+if TYPE_CHECKING:
+    from ..plan.types import Topology
+
+__all__ = ["CALIBRATION_FORMAT", "CALIBRATION_VERSION", "LinkFit", "Sample", "Calibration", "fit_link",
+           "load_calibration"]
+
+CALIBRATION_FORMAT = "pipetrain-calibration"
+CALIBRATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class LinkFit:
+    """``t(S) = latency_seconds + S / bandwidth_bytes_per_second``."""
+
+    latency_seconds: float
+    bandwidth_bytes_per_second: float
+
+    def seconds(self, nbytes: float) -> float:
+        """Predicted seconds for ``nbytes`` bytes."""
+        return self.latency_seconds + nbytes / self.bandwidth_bytes_per_second
+
+    @property
+    def bandwidth_bits_per_second(self) -> float:
+        return 8.0 * self.bandwidth_bytes_per_second
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One measured size: the fastest (``seconds``) and the median of ``reps`` messages of
+    ``bytes`` bytes; ``kind`` is ``p2p`` or ``allreduce``."""
+
+    kind: str
+    bytes: int
+    seconds: float
+    reps: int
+    median_seconds: float | None = None
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
+    """Fit ``t = latency + S / bandwidth`` to measured (size, seconds) points.
+
+    ``latency`` is the shortest time measured (a message of a few bytes: no transfer time to
+    speak of; the shortest, not the smallest size's, so one size slowed by a busy CPU does not
+    set it); ``1 / bandwidth`` is the least-squares slope of ``t - latency`` against ``S`` (absolute
+    errors, so the largest messages, whose time is nearly all transfer, decide it).
+
+    Why not a free two-parameter fit: a tbf link lets a bucket's worth of bytes (its burst)
+    through at line speed, so the large messages lie on a line with a *negative* intercept
+    (about -burst/rate: -6 ms at 50 Mbit/s with a 36 KB bucket) that says nothing about
+    latency, and a relative-error fit then trades the slope against the small messages.
+    """
+    pts = sorted((float(s), float(t)) for s, t in zip(sizes, seconds) if t > 0 and math.isfinite(t))
+    distinct = len({s for s, _ in pts})
+    if distinct < 2:
+        raise CalibrationError(f"fitting latency + bytes/bandwidth needs times at 2 or more message sizes, got "
+                               f"{distinct}; measure more sizes")
+    latency = min(t for _, t in pts)
+    sxx = sum(s * s for s, _ in pts)
+    sxy = sum(s * (t - latency) for s, t in pts)
+    if not sxy > 0:
+        raise CalibrationError(f"measured times do not grow with message size (largest: {pts[-1][0]:.0f} bytes in "
+                               f"{pts[-1][1]:.3g} s, shortest time: {latency:.3g} s); measure larger messages")
+    return LinkFit(latency_seconds=latency, bandwidth_bytes_per_second=sxx / sxy)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured communication costs of the current hosts (see the module docstring for units)."""
+
+    p2p: LinkFit
+    allreduce: LinkFit
+    allreduce_ranks: int
+    hosts: int
+    ranks: int
+    where: str
+    bandwidth_limit_bits_per_second: int | None = None
+    samples: tuple[Sample, ...] = field(default_factory=tuple)
+    measured_at: str = ""
+    seconds: float = 0.0
+
+    @property
+    def allreduce_bus_bandwidth(self) -> float:
+        """Per-link bandwidth (bytes/s) implied by the all-reduce fit for a ring:
+        algorithm bandwidth * 2 (n-1) / n."""
+        n = self.allreduce_ranks
+        return self.allreduce.bandwidth_bytes_per_second * (2 * (n - 1) / n if n > 1 else 1.0)
+
+    def topology(self, workers: int, memory_per_worker: float | None = None) -> Topology:
+        """A flat :class:`pipetrain.plan.types.Topology` of ``workers`` joined at the measured
+        point-to-point bandwidth (bytes/s), for ``pipetrain.plan.plan``."""
+        from ..plan.types import Topology
+
+        return Topology.flat(workers, self.p2p.bandwidth_bytes_per_second, memory_per_worker)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["samples"] = [asdict(s) for s in self.samples]
+        return {"format": CALIBRATION_FORMAT, "version": CALIBRATION_VERSION, **d}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: str = "calibration") -> "Calibration":
+        if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
+            raise CalibrationError(f"{source} is not a pipetrain calibration (format must be "
+                                   f"{CALIBRATION_FORMAT!r}); write one with `pipetrain calibrate --output FILE`")
+        if d.get("version") != CALIBRATION_VERSION:
+            raise CalibrationError(f"{source} has calibration version {d.get('version')!r}, this pipetrain reads "
+                                   f"version {CALIBRATION_VERSION}; measure again with `pipetrain calibrate`")
+        try:
+            fits = {k: LinkFit(float(d[k]["latency_seconds"]), float(d[k]["bandwidth_bytes_per_second"]))
+                    for k in ("p2p", "allreduce")}
+            for k, f in fits.items():
+                if not (f.latency_seconds >= 0 and f.bandwidth_bytes_per_second > 0
+                        and math.isfinite(f.latency_seconds) and math.isfinite(f.bandwidth_bytes_per_second)):
+                    raise CalibrationError(f"{source}: {k} needs latency_seconds >= 0 and bandwidth_bytes_per_second "
+                                           f"> 0, got {f.latency_seconds} and {f.bandwidth_bytes_per_second}")
+            samples = tuple(Sample(str(s["kind"]), int(s["bytes"]), float(s["seconds"]), int(s["reps"]),
+                                   None if s.get("median_seconds") is None else float(s["median_seconds"]))
+                            for s in d.get("samples", []))
+            limit = d.get("bandwidth_limit_bits_per_second")
+            return cls(p2p=fits["p2p"], allreduce=fits["allreduce"], allreduce_ranks=int(d["allreduce_ranks"]),
+                       hosts=int(d["hosts"]), ranks=int(d["ranks"]), where=str(d["where"]),
+                       bandwidth_limit_bits_per_second=None if limit is None else int(limit), samples=samples,
+                       measured_at=str(d.get("measured_at", "")), seconds=float(d.get("seconds", 0.0)))
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, CalibrationError):
+                raise
+            raise CalibrationError(f"{source} is malformed ({type(e).__name__}: {e}); measure again with "
+                                   "`pipetrain calibrate --output FILE`") from None
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    """Read a calibration file written by :meth:`Calibration.save` (``pipetrain calibrate --output``)."""
+    p = Path(path)
+    try:
+        data = json.loads(p.read_text())
+    except FileNotFoundError:
+        raise CalibrationError(f"calibration file '{p}' does not exist; write one with `pipetrain calibrate "
+                               "--output FILE`") from None
+    except (OSError, json.JSONDecodeError) as e:
+        raise CalibrationError(f"calibration file '{p}' is not readable JSON ({e})") from None
+    return Calibration.from_dict(data, source=f"calibration file '{p}'")

@@ -1,0 +1,138 @@
+"""One rank of a calibration: gloo ping-pong and all-reduce timings (run as a script).
+
+Started by :func:`pipetrain.cluster.calibrate.calibrate` as ``python PATH/gloo_probe.py
+--rank R --world N --master HOST:PORT``. It imports only the standard library and torch (not
+the pipetrain package), so it starts fast. Rank 0 prints one JSON line
+``{"samples": [{"kind", "bytes", "seconds", "reps", "median_seconds"}, ...]}``.
+
+Measurements (rank 0 decides sizes and repetitions and tells the others before each size):
+
+- point to point, ranks 0 and 1: a ping-pong of one float32 tensor of S bytes (rank 0 sends,
+  rank 1 receives and sends the same size back); one message takes half the round trip;
+  ranks >= 2 wait at a barrier meanwhile;
+- all-reduce (sum) of S bytes over every rank, each after a barrier, timed on rank 0.
+
+Sizes are 4 bytes, then 4 KiB growing 4x (16 KiB, 64 KiB, ...) until one message takes longer
+than ``--max-message-seconds`` (or 16 MiB). Each size gets one untimed round, then 3-15 timed
+ones (about ``TIME_PER_SIZE`` seconds of traffic); the fastest and the median are kept.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Sequence
+
+MAX_BYTES = 16 * 1024 * 1024
+TIME_PER_SIZE = 0.15  # seconds of traffic spent on one size
+
+
+def sizes() -> list[int]:
+    """Message sizes in bytes, in the order they are tried."""
+    s, out = 4, []
+    while s <= MAX_BYTES:
+        out.append(s)
+        s = 4096 if s == 4 else s * 4
+    return out
+
+
+def reps_for(expected_seconds: float) -> int:
+    """Timed repetitions of a size whose one operation is expected to take this long."""
+    return int(min(15, max(3, TIME_PER_SIZE / max(expected_seconds, 1e-6))))
+
+
+def _sample(kind: str, nbytes: int, times: list[float]) -> dict[str, Any]:
+    """The fastest and the median of ``times``: on a machine shared with other work the slow
+    repetitions measure the CPU scheduler (a process woken a 4 ms tick late), not the link."""
+    ts = sorted(times)
+    return {"kind": kind, "bytes": nbytes, "seconds": ts[0], "reps": len(ts), "median_seconds": ts[len(ts) // 2]}
+
+
+def measure(rank: int, world: int, master: str, max_message_seconds: float = 0.1,
+            timeout: float = 60.0) -> list[dict[str, Any]] | None:
+    """Run one rank; rank 0 returns the samples (dicts with kind, bytes, seconds, reps)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://{master}", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=timeout))
+    samples: list[dict[str, Any]] = []
+    try:
+        ctrl = torch.zeros(2, dtype=torch.int64)
+        if rank == 0:
+            expected = 1e-4
+            for nbytes in sizes():
+                reps = reps_for(2 * expected)
+                ctrl[0], ctrl[1] = nbytes, reps
+                dist.send(ctrl, 1)
+                buf = torch.ones(nbytes // 4)
+                dist.send(buf, 1)  # untimed round: buffers, TCP window
+                dist.recv(buf, 1)
+                times = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                    times.append((time.perf_counter() - t0) / 2)
+                samples.append(_sample("p2p", nbytes, times))
+                if min(times) > max_message_seconds:
+                    break
+                expected = 4 * min(times)
+            ctrl[0] = 0
+            dist.send(ctrl, 1)
+        elif rank == 1:
+            while True:
+                dist.recv(ctrl, 0)
+                nbytes, reps = int(ctrl[0]), int(ctrl[1])
+                if nbytes == 0:
+                    break
+                buf = torch.empty(nbytes // 4)
+                for _ in range(reps + 1):
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+        dist.barrier()
+        expected = 1e-4
+        for nbytes in sizes():
+            ctrl[0], ctrl[1] = nbytes, reps_for(expected)
+            dist.broadcast(ctrl, 0)  # rank 0's choice for everyone
+            nbytes, reps = int(ctrl[0]), int(ctrl[1])
+            buf = torch.ones(nbytes // 4)
+            dist.all_reduce(buf)  # untimed round
+            times = []
+            for _ in range(reps):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                times.append(time.perf_counter() - t0)
+            stop = torch.tensor([1 if min(times) > max_message_seconds else 0])
+            dist.broadcast(stop, 0)  # rank 0's times decide for everyone
+            if rank == 0:
+                samples.append(_sample("allreduce", nbytes, times))
+            if int(stop[0]):
+                break
+            expected = 4 * min(times)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    return samples if rank == 0 else None
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="one rank of a pipetrain calibration (started by pipetrain calibrate)")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--world", type=int, required=True)
+    p.add_argument("--master", required=True, help="HOST:PORT of rank 0's store")
+    p.add_argument("--max-message-seconds", type=float, default=0.1)
+    p.add_argument("--timeout", type=float, default=60.0)
+    a = p.parse_args(argv)
+    samples = measure(a.rank, a.world, a.master, a.max_message_seconds, a.timeout)
+    if samples is not None:
+        print(json.dumps({"samples": samples}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
