@@ -12,13 +12,23 @@ timed steps give samples/s = batch * S / (timed wall time of the slowest worker)
 
 Configurations (per model; ``m`` = microbatches, default 2, 4, 8):
   single                 the whole model in one process
-  ceiling                2 processes, each trains only its stage alone (no communication)
+  ceiling, ceiling_m{m}  2 processes, each trains only its stage alone (no communication), on
+                         the whole batch / in m units of batch/m: the bound of the pipelines
+                         with that unit size
+  ceiling_dp             2 processes, each trains the whole model on half the batch alone:
+                         the bound of ddp and pipetrain_dp
   torch_gpipe_m{m}       torch.distributed.pipelining ScheduleGPipe, 2 stages
   torch_1f1b_m{m}        torch.distributed.pipelining Schedule1F1B, 2 stages
   ddp                    DistributedDataParallel, 2 processes, half the batch each
+  pipetrain_dp           pipetrain's data parallelism (--schedule dp --config 2, m=2)
+  pipetrain_auto         pipetrain train --workers 2 with nothing else: the planner's choice
   pipetrain_pipedream    pipetrain 1F1B + weight stashing, 2 workers (config 1-1)
-  pipetrain_2bw_m{m}, pipetrain_flush_m{m}, pipetrain_gpipe_m{m}   pipetrain, 2 workers
+  pipetrain_2bw_m{m}, pipetrain_flush_m{m}, pipetrain_gpipe_m{m}, pipetrain_zerobubble_m{m}
+                         pipetrain, 2 workers
   (--four-workers adds *_w4 variants on 4 workers: 4 stages on this 2-core machine)
+
+The issue-13 measurement (both models, 3 interleaved rounds, about 20 minutes on 2 quiet
+cores): ``python benchmarks/run.py --preset issue13 --json > bench.json``.
 
 See docs/performance.md for the method and how to read the figures.
 """
@@ -36,6 +46,8 @@ from typing import Any
 
 from baselines import pipetrain_cli
 from bench_models import BATCH_SIZES, balanced_cuts, build_bench_model, child_times, split_point
+from headline import issue13_fields, memory_error, paired_ratio, relative_error
+from predict_time import cli_prediction, measured_time
 from processes import free_port, run_group
 from rss import release_memory
 from timing import Measurement, median_or_none
@@ -53,16 +65,24 @@ class Config:
     pipetrain_config: str = ""  # pipetrain's --config (replicas per stage, e.g. 1-1)
 
 
+#: ``Config.schedule`` of the configuration that leaves every choice to pipetrain.
+AUTO = "auto"
+
+
 def build_configs(microbatches: list[int], four_workers: bool, quick: bool = False) -> list[Config]:
     """The configurations of one model, in their round-1 order (``quick``: without 2bw)."""
     cfgs = [Config("single", "single", 1), Config("ceiling", "ceiling", 2)]
+    cfgs += [Config(f"ceiling_m{m}", "ceiling", 2, "", m) for m in microbatches]
+    cfgs.append(Config("ceiling_dp", "ceiling", 2, "dp", 1))
     for m in microbatches:
         cfgs += [Config(f"torch_gpipe_m{m}", "torch_pipe", 2, "gpipe", m),
                  Config(f"torch_1f1b_m{m}", "torch_pipe", 2, "1f1b", m)]
     cfgs.append(Config("ddp", "ddp", 2))
+    cfgs.append(Config("pipetrain_dp", "pipetrain", 2, "dp", 2, "2"))
+    cfgs.append(Config("pipetrain_auto", "pipetrain", 2, AUTO, 0))
     cfgs.append(Config("pipetrain_pipedream", "pipetrain", 2, "pipedream", 1, "1-1"))
     for m in microbatches:
-        for sched in (("flush", "gpipe") if quick else ("2bw", "flush", "gpipe")):
+        for sched in (("flush", "gpipe", "zerobubble") if quick else ("2bw", "flush", "gpipe", "zerobubble")):
             cfgs.append(Config(f"pipetrain_{sched}_m{m}", "pipetrain", 2, sched, m, "1-1"))
     if four_workers:
         m4 = max([m for m in microbatches if m >= 4] or [4])
@@ -123,23 +143,16 @@ def measure(cfg: Config, model: str, facts: ModelFacts, args: argparse.Namespace
     """One run of ``cfg`` on ``model``."""
     if cfg.kind != "pipetrain":
         return measure_harness(cfg, model, args, facts.cuts.get(cfg.world) if cfg.kind != "ddp" else None)
+    auto = cfg.schedule == AUTO
+    one_stage = cfg.pipetrain_config.isdigit()  # dp: one stage on every worker, nothing to cut
     return pipetrain_cli.run_pipetrain(
-        args.pipetrain, facts.pipetrain_spec, cfg.schedule, cfg.world, cfg.pipetrain_config or None,
-        BATCH_SIZES[model], cfg.microbatches, args.steps_for[model], args.warmup,
-        args.seed, args.timeout, facts.cut_names.get(cfg.world))
+        args.pipetrain, facts.pipetrain_spec, None if auto else cfg.schedule, cfg.world,
+        cfg.pipetrain_config or None, BATCH_SIZES[model], cfg.microbatches, args.steps_for[model], args.warmup,
+        # auto profiles and plans before it trains (outside its timed window): a longer deadline
+        args.seed, args.timeout * (2 if auto else 1), None if auto or one_stage else facts.cut_names.get(cfg.world))
 
 
 # --------------------------------------------------------------------------- summarising
-def paired_ratio(runs: dict[str, list[Measurement]], a: str, b: str) -> float | None:
-    """Median over rounds of samples/s(a) / samples/s(b), using rounds where both ran."""
-    if a not in runs or b not in runs:
-        return None
-    ratios = [x.samples_per_second / y.samples_per_second  # type: ignore[operator]
-              for x, y in zip(runs[a], runs[b])
-              if x.samples_per_second and y.samples_per_second]
-    return median_or_none(ratios)
-
-
 def summarise(model: str, runs: dict[str, list[Measurement]], cfgs: list[Config],
               microbatches: list[int], facts: ModelFacts) -> dict[str, Any]:
     """The per-model JSON object: headline ratios, raw medians and every configuration."""
@@ -180,6 +193,8 @@ def summarise(model: str, runs: dict[str, list[Measurement]], cfgs: list[Config]
             "errors": sorted({m.error for m in failures if m.error}),
             "details": ms[-1].extra if ms else {},
         }
+        if cfg.kind == "pipetrain":
+            configs[cfg.name].update(_predictions(cfg, ms, facts, above_setup))
     prim = 4 if 4 in microbatches else max(microbatches)
     steady = {name: [Measurement(m.extra.get("samples_per_second_steady") or None, m.status, m.error,
                                         m.peak_rss_mib, m.extra) for m in ms]
@@ -210,8 +225,52 @@ def summarise(model: str, runs: dict[str, list[Measurement]], cfgs: list[Config]
         "medians": medians,
         "configs": configs,
     }
+    out.update(issue13_fields(runs, cfgs, medians, configs, microbatches, prim, best))
     out["model"] = facts.report
     return out
+
+
+def _predictions(cfg: Config, ms: list[Measurement], facts: ModelFacts,
+                 measured_mib: list[float] | None) -> dict[str, Any]:
+    """A pipetrain configuration's predicted and measured time per minibatch and memory."""
+    ok = [m for m in ms if m.status == "ok"]
+    times = [measured_time(m.extra, m.samples_per_second, facts.report["batch_size"]) for m in ok]
+    measured = median_or_none([t for t in times if t])
+    sim = facts.time_predicted.get(cfg.name)
+    predicted = sim["time_per_minibatch_s"] if sim else None
+    source = "benchmark simulator (measured profile at the unit size)" if sim else None
+    if cfg.schedule == AUTO and ok:  # the planner's own figure, when the CLI reports one
+        own = cli_prediction(ok[-1].extra)
+        if own is not None:
+            predicted, source = own, "pipetrain train --json"
+    mem_pred = None
+    for m in reversed(ok):  # the CLI's own memory prediction, when it reports one per worker
+        for k, v in m.extra.items():
+            if "predicted_peak" in k and isinstance(v, list) and v:
+                mem_pred = [float(x) for x in v]
+                break
+        if mem_pred:
+            break
+    mem_pred = mem_pred or facts.predicted.get(cfg.name)
+    # The measured side: pipetrain's own per-worker figure of what the prediction counts (a
+    # key with "measured_peak" or "tensor_peak"), else the peak above the post-import RSS,
+    # else the peak above the set-up RSS.
+    mem_meas, mem_src = measured_mib, "peak RSS above set-up"
+    for m in reversed(ok):
+        keys = [k for k, v in m.extra.items() if ("measured_peak" in k or "tensor_peak" in k)
+                and isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)]
+        if keys:
+            mem_meas, mem_src = [float(x) for x in m.extra[keys[0]]], f"pipetrain --json {keys[0]}"
+            break
+        base = m.extra.get("rss_import_mib")
+        if isinstance(base, list) and len(base) == len(m.peak_rss_mib):
+            mem_meas, mem_src = [p - b for p, b in zip(m.peak_rss_mib, base)], "peak RSS above post-import RSS"
+            break
+    return {"predicted_time_per_minibatch_s": predicted, "measured_time_per_minibatch_s": measured,
+            "prediction_error": relative_error(predicted, measured), "prediction_source": source,
+            "simulation": sim, "memory_predicted_mib_per_worker": mem_pred,
+            "memory_measured_mib_per_worker": mem_meas, "memory_measured_source": mem_src,
+            "memory_prediction_error": memory_error(mem_pred, mem_meas)}
 
 
 def fmt(x: float | None, spec: str = ".1f") -> str:
@@ -232,8 +291,8 @@ def print_table(report: dict[str, Any]) -> None:
         print(f"\n{model}: batch {m.get('batch_size')}, {m.get('num_parameters', 0) / 1e6:.1f} M parameters "
               f"(pipetrain.models {m.get('pipetrain_model_spec')}), {m.get('split')} split: stages begin at children "
               f"{m.get('stage_cuts', {}).get('2')} of {m.get('children')}")
-        print(f"  {'config':<26}{'samples/s':>11}{'min-max':>17}{'vs single':>11}{'mem MiB/worker':>18}"
-              f"{'sim MiB':>12}  status")
+        print(f"  {'config':<26}{'samples/s':>11}{'min-max':>17}{'vs single':>11}{'vs ceil':>9}"
+              f"{'pred/meas ms':>15}{'mem MiB/worker':>18}{'sim MiB':>12}  status")
         for name, c in r["configs"].items():
             rng = (f"{fmt(c['samples_per_second_min'])}-{fmt(c['samples_per_second_max'])}"
                    if c["samples_per_second_min"] is not None else "-")
@@ -241,13 +300,19 @@ def print_table(report: dict[str, Any]) -> None:
             rss = ("/".join(f"{x:.0f}" for x in above) if above else
                    "/".join(f"{x:.0f}" for x in c["peak_rss_mib_per_worker"]) + "*"
                    if c["peak_rss_mib_per_worker"] else "-")
-            sim = "/".join(f"{x:.0f}" for x in c["predicted_peak_mib_per_worker"] or []) or "-"
+            sim = "/".join(f"{x:.0f}" for x in (c.get("memory_predicted_mib_per_worker")
+                                                  or c["predicted_peak_mib_per_worker"] or [])) or "-"
+            pt, mt = c.get("predicted_time_per_minibatch_s"), c.get("measured_time_per_minibatch_s")
+            times = f"{fmt(pt and pt * 1e3, '.0f')}/{fmt(mt and mt * 1e3, '.0f')}" if pt or mt else "-"
             err = (c["errors"] or [""])[0]
             why = "ok" if c["status"] == "ok" else f"{c['status']}: {err[:90]}"
             print(f"  {name:<26}{fmt(c['samples_per_second_median']):>11}{rng:>17}"
-                  f"{fmt(c['ratio_vs_single'], '.2f'):>11}{rss:>18}{sim:>12}  {why}")
+                  f"{fmt(c['ratio_vs_single'], '.2f'):>11}{fmt(c.get('vs_ceiling'), '.2f'):>9}{times:>15}"
+                  f"{rss:>18}{sim:>12}  {why}")
         print("  mem: peak RSS of each worker's training phase above its RSS once set up (stage built, peak reset)"
-              " (* = absolute peaks, when a run\n       reports no set-up RSS); sim: pipetrain.simulate's model-state peak for the harness's cut")
+              " (* = absolute peaks, when a run\n       reports no set-up RSS); sim: the predicted peak (pipetrain's own if its JSON"
+              " has one, else pipetrain.simulate's for the harness's cut)\n  vs ceil: against the ceiling at the same unit"
+              " size (docs/performance.md); pred/meas ms: simulated / measured steady time per minibatch")
         print("  ratios (median of per-round ratios):")
         for key in ("ceiling_vs_single", "ddp_vs_single", "torch_best_vs_single",
                     "pipetrain_pipedream_vs_single", "pipetrain_pipedream_vs_ceiling",
@@ -260,9 +325,33 @@ def print_table(report: dict[str, Any]) -> None:
             elif key.startswith("pipetrain_flush") or key.startswith("pipetrain_gpipe"):
                 note = f" (m={r['compared_at_microbatches']})"
             print(f"    {key:<36}{fmt(r[key], '.2f'):>6}{note}")
+        print("  issue 13:")
+        notes = {"auto_vs_best": f" (auto chose {r.get('auto_chosen')}; best other: {r.get('auto_best_other')})",
+                 "pipetrain_best_pipeline_vs_torch_best": f" ({r.get('pipetrain_best_pipeline')} vs {r['torch_best']})",
+                 "max_vs_ceiling": f" ({r.get('max_vs_ceiling_config')})",
+                 "zerobubble_vs_flush": f" (m={r['compared_at_microbatches']}; simulator says "
+                                        f"{fmt(r['zerobubble_vs_flush_predicted_by_m'].get(str(r['compared_at_microbatches'])), '.2f')})"}
+        for key in ("auto_vs_best", "auto_prediction_error", "dp_vs_ddp", "zerobubble_vs_flush",
+                    "pipetrain_best_pipeline_vs_torch_best", "max_vs_ceiling", "memory_prediction_error"):
+            print(f"    {key:<36}{fmt(r.get(key), '.2f'):>6}{notes.get(key, '')}")
 
 
 # --------------------------------------------------------------------------- main
+#: Named measurements (``--preset``). issue13: both models, 3 interleaved rounds, every
+#: framework on the balanced cut (per-layer times measured before round 1); PyTorch at m = 2, 4,
+#: 8 (1F1B not at 8: slower than at 4 on both models in every earlier run), pipetrain's
+#: pipelines at m = 4 (flush and zerobubble also at 8), ceilings at the unit sizes of 1, 4 and 8
+#: (m = 2 is held to the best of them): 19 configurations per model.
+PRESETS: dict[str, dict[str, Any]] = {
+    "issue13": {"rounds": 3, "microbatches": "2,4,8", "split": "balanced", "warmup": 2,
+                "skip": "pipetrain_*_m2,ceiling_m2,torch_1f1b_m8,pipetrain_2bw_m8,pipetrain_gpipe_m*"},
+}
+#: Timed steps per model of a preset (``--steps`` overrides). Even counts: a replicated
+#: pipedream plan (what ``auto`` may choose) needs steps and warm-up steps that are multiples
+#: of its replica counts.
+PRESET_STEPS: dict[str, dict[str, int]] = {"issue13": {"mlp": 20, "lm": 6}}
+
+
 def parse_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,8 +362,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--models", default="mlp,lm", help="comma-separated: mlp, lm (default both)")
     p.add_argument("--microbatches", default=None, help="comma-separated m for the microbatched schedules (default 2,4,8; --quick 4)")
     p.add_argument("--configs", default="*", help="comma-separated glob patterns of configuration names to run (single is always run)")
+    p.add_argument("--skip", default="", help="comma-separated glob patterns of configuration names to leave out")
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="a named measurement; explicit options override it (issue13: "
+                        + ", ".join(f"--{k} {v}" for k, v in PRESETS["issue13"].items()) + ")")
     p.add_argument("--four-workers", action="store_true", help="also run ceiling and pipetrain on 4 workers (4 stages)")
-    p.add_argument("--split", choices=("layers", "balanced"), default="layers",
+    p.add_argument("--split", choices=("layers", "balanced"), default=None,
                    help="stage cut of the harness's pipelines: equal numbers of layers (default), or "
                         "the cut that balances forward+backward time measured per layer before round 1")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 3 timed steps (lm 1), 1 warm-up, m=4, no 2bw, no memory prediction (under 2 minutes on a quiet machine)")
@@ -282,9 +375,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (same in every process)")
     p.add_argument("--pipetrain", default=pipetrain_cli.default_cli(), help="the pipetrain command (default: next to this python)")
     a = p.parse_args(argv)
+    for k, v in PRESETS.get(a.preset or "", {}).items():
+        if getattr(a, k) in (None, "", "*"):
+            setattr(a, k, v)
     q = a.quick
+    full_steps = PRESET_STEPS.get(a.preset or "", {"mlp": 20, "lm": 5})
+    a.split = a.split or "layers"
     a.rounds = a.rounds or (1 if q else 5)
-    quick_steps, full_steps = {"mlp": 3, "lm": 1}, {"mlp": 20, "lm": 5}
+    quick_steps = {"mlp": 3, "lm": 1}
     a.steps_for = {m: a.steps or (quick_steps if q else full_steps)[m] for m in BATCH_SIZES}
     a.warmup = a.warmup if a.warmup is not None else (1 if q else 3)
     a.timeout = a.timeout or (90.0 if q else 240.0)
@@ -312,6 +410,35 @@ class ModelFacts:
     predicted: dict[str, list[float] | None]  # config -> simulator's peak MiB per worker
     report: dict[str, Any]  # the "model" entry of the JSON report
     cut_names: dict[int, list[str]] = field(default_factory=dict)  # worker count -> pipetrain --cut names
+    time_predicted: dict[str, dict[str, Any]] = field(default_factory=dict)  # config -> simulator's figures
+
+
+def predict_times(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
+                  args: argparse.Namespace) -> None:
+    """After the last round: the simulator's time per minibatch of every pipetrain run, from a
+    profile measured here at the run's unit size (predict_time.py)."""
+    from headline import chosen_of
+    from predict_time import TimePredictor
+
+    try:
+        predictor = TimePredictor(build_bench_model(model, seed=args.seed), args.seed,
+                                  repeats=1 if args.quick else 3)
+    except Exception as e:  # noqa: BLE001 - a prediction failure must not lose the measurements
+        log(f"{model}: no time predictions ({type(e).__name__}: {e})")
+        return
+    for cfg in cfgs:
+        if cfg.kind != "pipetrain":
+            continue
+        chosen = chosen_of(runs.get(cfg.name, []))
+        try:
+            sim = predictor.predict(chosen, args.steps_for[model]) if chosen else None
+        except Exception as e:  # noqa: BLE001
+            log(f"{model} {cfg.name}: no time prediction ({type(e).__name__}: {e})")
+            sim = None
+        if sim is not None:
+            facts.time_predicted[cfg.name] = sim
+    del predictor
+    release_memory()
 
 
 def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> ModelFacts:
@@ -351,6 +478,14 @@ def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> M
     return facts
 
 
+def select_configs(args: argparse.Namespace) -> list[Config]:
+    """The configurations ``--configs`` names and ``--skip`` does not (``single`` always)."""
+    skip = [g for g in args.skip.split(",") if g]
+    return [c for c in build_configs(args.microbatches, args.four_workers, args.quick)
+            if c.name == "single" or (any(fnmatch.fnmatch(c.name, g) for g in args.configs.split(","))
+                                      and not any(fnmatch.fnmatch(c.name, g) for g in skip))]
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["_worker"]:  # a measured process (see baselines/worker.py)
         from baselines import worker
@@ -358,8 +493,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(argv)
     t_start = time.monotonic()
     load_start = os.getloadavg()
-    cfgs = [c for c in build_configs(args.microbatches, args.four_workers, args.quick)
-            if c.name == "single" or any(fnmatch.fnmatch(c.name, g) for g in args.configs.split(","))]
+    cfgs = select_configs(args)
     facts = {m: prepare_model(m, cfgs, args) for m in args.models}
     runs: dict[str, dict[str, list[Measurement]]] = {m: {} for m in args.models}
     for rnd in range(args.rounds):
@@ -373,6 +507,9 @@ def main(argv: list[str]) -> int:
                 log(f"[round {rnd + 1}/{args.rounds}] {model:<4}{cfg.name:<26}"
                     + (f"{m.samples_per_second:9.1f} samples/s" if m.samples_per_second
                        else f"{m.status}: {m.error}") + f"   ({m.extra['run_wall_s']:.1f} s)")
+    for model in args.models:
+        log(f"{model}: predicting the time per minibatch of every pipetrain run")
+        predict_times(model, cfgs, runs[model], facts[model], args)
     report: dict[str, Any] = {
         m: summarise(m, runs[m], cfgs, args.microbatches, facts[m])
         for m in args.models}

@@ -83,7 +83,7 @@ def brute_force(prof: Profile, N: int, B: float, straight: bool = False, num_sta
 
     def cut(ideal: int) -> float:
         return sum(nodes[v].activation_bytes for v in range(n)
-                   if (ideal >> v) & 1 and not nodes[v].is_input and succs[v] & ~ideal)
+                   if (ideal >> v) & 1 and succs[v] & ~ideal)  # model inputs are relayed too
 
     ideals = sorted(all_ideals(prof), key=lambda m: bin(m).count("1"))
     full = (1 << n) - 1

@@ -4,7 +4,9 @@
 past the deadline) and reads the JSON object the CLI prints (``samples_per_second``,
 ``samples_per_second_steady``, ``final_loss``, ``peak_rss_mib`` per worker, ...). The run
 gets the same warm-up as the other configurations (``--warmup-steps``, excluded from the
-figure), the harness's cut (``--cut``) and one thread per worker.
+figure), the harness's cut (``--cut``) and one thread per worker. The ``auto`` configuration
+passes no schedule, microbatch count, configuration or cut (``schedule=None``): what
+``pipetrain train`` chooses by itself for the number of workers.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from processes import run_group
 from timing import Measurement
 
 # JSON keys of the CLI that are copied into the benchmark output when present.
-_PASSTHROUGH = re.compile(r"mem|rss|predict|stash|version|warmup|seconds|steady|final_loss|steps|plan|config|stage|bytes")
+_PASSTHROUGH = re.compile(r"mem|rss|peak|predict|stash|version|warmup|seconds|steady|final_loss|steps|plan|config|stage|bytes")
 
 
 def default_cli() -> str:
@@ -46,14 +48,16 @@ def parse_json_output(stdout: str) -> dict[str, Any] | None:
     return None
 
 
-def command(cli: str, model_spec: str, schedule: str, workers: int, config: str | None,
+def command(cli: str, model_spec: str, schedule: str | None, workers: int, config: str | None,
             batch_size: int, microbatches: int, steps: int, warmup: int, seed: int,
             timeout_s: float | None = None, cut: list[str] | None = None) -> list[str]:
-    """The ``pipetrain train`` command line of one configuration."""
-    cmd = [cli, "train", "--model", model_spec, "--workers", str(workers),
-           "--schedule", schedule, "--batch-size", str(batch_size),
-           "--microbatches", str(microbatches), "--steps", str(steps), "--warmup-steps", str(warmup),
-           "--seed", str(seed), "--log-every", "0", "--threads", "1", "--json"]
+    """The ``pipetrain train`` command line of one configuration (``schedule`` None: ``auto``,
+    the planner's choice: no schedule, microbatches, config or cut given)."""
+    cmd = [cli, "train", "--model", model_spec, "--workers", str(workers), "--batch-size", str(batch_size)]
+    if schedule is not None:
+        cmd += ["--schedule", schedule, "--microbatches", str(microbatches)]
+    cmd += ["--steps", str(steps), "--warmup-steps", str(warmup),
+            "--seed", str(seed), "--log-every", "0", "--threads", "1", "--json"]
     if config:
         cmd += ["--config", config]
     if cut:  # the harness's cut, so every configuration trains the same stages
@@ -63,7 +67,7 @@ def command(cli: str, model_spec: str, schedule: str, workers: int, config: str 
     return cmd
 
 
-def run_pipetrain(cli: str, model_spec: str, schedule: str, workers: int, config: str | None,
+def run_pipetrain(cli: str, model_spec: str, schedule: str | None, workers: int, config: str | None,
                   batch_size: int, microbatches: int, steps: int, warmup: int, seed: int,
                   timeout_s: float, cut: list[str] | None = None) -> Measurement:
     """One ``pipetrain train`` run: its samples/s, or why there is none."""
@@ -81,6 +85,19 @@ def run_pipetrain(cli: str, model_spec: str, schedule: str, workers: int, config
     mem = [float(x) for x in obj.get("peak_rss_mib") or []]
     extra = {k: v for k, v in obj.items()
              if _PASSTHROUGH.search(k) and k not in ("samples_per_second", "warmup_losses")}
+    extra.update(chosen=chosen_configuration(obj))
     extra.update(command=" ".join(cmd), cut=cut, peak_scope=obj.get("peak_rss_scope", "process"),
                  memory_source="pipetrain JSON" if mem else "sampled VmHWM of every process of the launch (launcher + workers)")
     return Measurement(float(sps), "ok", "", mem or res.tree_peaks_mib, extra)
+
+
+def chosen_configuration(obj: dict[str, Any]) -> dict[str, Any]:
+    """What a run trained (schedule, microbatches, replicas per stage, plan) from its ``--json``
+    object: for ``auto`` this is the planner's choice; the plan lets the harness predict it."""
+    run = obj.get("run") or {}
+    plan = run.get("plan") or None
+    par = ((run.get("config") or {}).get("parallel") or {})
+    return {"schedule": obj.get("schedule") or par.get("schedule"), "microbatches": obj.get("microbatches"),
+            "config": obj.get("config"), "stages": obj.get("stages"), "workers": obj.get("workers"),
+            "plan": plan, "plan_source": obj.get("plan_source"),
+            "schedule_options": run.get("schedule_options") or {}}

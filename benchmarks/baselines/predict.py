@@ -83,14 +83,22 @@ def predict(bm: BenchModel, cuts: Sequence[int], kind: str, schedule: str,
     from pipetrain.schedule import get_schedule
     from pipetrain.simulate import StageCosts, simulate
 
+    from pipetrain.schedule import SCHEDULE_NAMES
+
     if kind == "torch_pipe":
         spec = get_schedule(TORCH_AS_PIPETRAIN[schedule])
-    elif kind == "pipetrain":
+    elif kind == "pipetrain" and schedule in SCHEDULE_NAMES:
         spec = get_schedule(schedule)
     else:
-        return None
+        return None  # other kinds, and ``auto`` (its configuration is known only once it ran)
     units = 1 if spec.unit == "minibatch" else microbatches
     cache = {} if cache is None else cache
+    if spec.one_stage:  # data parallelism: the whole model, one replica per worker
+        key = -units
+        if key not in cache:
+            cache[key] = stage_costs(bm, [], units)
+        sched = spec.build([len(cuts) + 1], microbatches=units, steps=steps)
+        return [b / MIB for b in simulate(sched, StageCosts(cache[key])).peak_memory]
     if units not in cache:
         cache[units] = stage_costs(bm, cuts, units)
     sched = spec.build([1] * (len(cuts) + 1), microbatches=units, steps=steps)

@@ -5,6 +5,7 @@ Examples::
     pipetrain plan tests/data/profiles/vgg16.txt --workers 16 --bandwidth 10Gbit --cost-model pipedream
     pipetrain plan model.json --workers 4,4 --bandwidth 300e9,1.25e9 --compare
     pipetrain plan model.json --workers 8 --memory 16GB --json --output plan.json
+    pipetrain plan model.json --workers 2 --calibration cal.json     # measured link costs
 
 The plan is printed (a table, or one JSON object with ``--json``); it is written to a file
 only when ``--output`` is given.
@@ -37,6 +38,9 @@ def register(subparsers: Any) -> None:
     p.add_argument("--workers", default="4", help="workers per level, innermost first, e.g. 16 or 4,4 (default 4)")
     p.add_argument("--bandwidth", default=None,
                    help="bytes/s per level, innermost first, e.g. 1.25e9 or 300e9,10Gbit (default 10Gbit for one level)")
+    p.add_argument("--calibration", default=None, metavar="FILE",
+                   help="plan on measured link costs: a file from `pipetrain calibrate --output FILE`, or 'measure' "
+                        "(loopback, now); sets the bandwidth, latency and all-reduce cost of the pipetrain model")
     p.add_argument("--memory", default=None, help="memory per worker in bytes (e.g. 16e9 or 16GB); default: no limit")
     p.add_argument("--straight", action="store_true", help="no replication: one worker per stage")
     p.add_argument("--stages", type=int, default=None, metavar="K", help="use exactly K stages (flat topologies)")
@@ -60,6 +64,28 @@ def _topology(args: argparse.Namespace) -> Topology:
             raise PlanError(f"--workers {args.workers} has {len(levels)} levels; give --bandwidth with one value per level, e.g. 300e9,10Gbit")
         bandwidth = "1.25e9"
     return parse_topology(args.workers, bandwidth, args.memory)
+
+
+def _calibrated(args: argparse.Namespace, options: PlanOptions) -> tuple[Topology, PlanOptions]:
+    """The topology and options of ``--calibration``: flat, at the measured costs."""
+    from dataclasses import replace
+
+    from ..plan.calibrated import calibrated_params, calibrated_topology, resolve_calibration
+
+    if args.bandwidth is not None:
+        raise PlanError(f"--calibration sets the bandwidth from measurements, but --bandwidth {args.bandwidth} was "
+                        f"given too; drop one of them")
+    levels = [w for w in str(args.workers).replace("x", ",").split(",") if w.strip()]
+    if len(levels) != 1 or not levels[0].strip().isdigit() or int(levels[0]) < 1:
+        raise PlanError(f"--calibration plans on one flat level of workers, but --workers is {args.workers!r}; "
+                        f"give one count, e.g. --workers 2")
+    if args.cost_model != "pipetrain":
+        raise PlanError(f"--calibration sets the pipetrain cost model's constants, but --cost-model is "
+                        f"{args.cost_model}; drop --cost-model or --calibration")
+    cal = resolve_calibration(args.calibration)
+    args.calibration_loaded = cal
+    topology = calibrated_topology(cal, int(levels[0]), parse_topology("1", "1", args.memory).memory_per_worker)
+    return topology, replace(options, cost_params=calibrated_params(cal, options.cost_params.minibatches))
 
 
 def _ms(t: float | None) -> str:
@@ -88,12 +114,19 @@ def run(args: argparse.Namespace) -> int:
         if args.batch_size <= 0:
             raise PlanError(f"--batch-size {args.batch_size} must be positive")
         profile.batch_size = args.batch_size
-    topology = _topology(args)
     options = PlanOptions(straight=args.straight, cost_model=args.cost_model, num_stages=args.stages,
                           schedule=args.schedule, microbatches=args.microbatches, max_states=args.max_states)
+    if args.calibration is not None:
+        topology, options = _calibrated(args, options)
+    else:
+        topology = _topology(args)
     result = plan(profile, topology, options)
     result.batch_size = profile.batch_size
-    base = baselines(profile, topology, args.cost_model) if args.compare else {}
+    if args.calibration is not None:
+        from ..plan.calibrated import calibration_summary, resolve_calibration
+
+        result.extra["calibration"] = calibration_summary(resolve_calibration(args.calibration_loaded))
+    base = baselines(profile, topology, args.cost_model, options.cost_params) if args.compare else {}
     if args.output:
         # `pipetrain simulate PLAN` finds the profile through this path, relative to the plan file.
         result.extra["profile_path"] = os.path.relpath(os.path.abspath(args.profile),

@@ -1,6 +1,7 @@
 """``pipetrain train``: train a model with a pipeline schedule on local or torchrun workers.
 
     pipetrain train --model mlp --workers 2 --schedule pipedream --steps 30 --batch-size 32
+    pipetrain train --model mlp --data digits --workers 3 --schedule pipedream --epochs 10 --target-accuracy 0.9
     pipetrain train --model vgg16 --workers 4 --config 3-1 --schedule flush --microbatches 4 --json
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         -m pipetrain train --model gpt --config 1-1-1-1 --schedule 2bw --microbatches 4
@@ -76,6 +77,12 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
                 continue
             value = getattr(args, fl.key)
             values[fl.key] = fl.convert(value) if fl.convert is not None else value
+    if "steps" in values and "epochs" in values:
+        from ..errors import RuntimeConfigError
+
+        raise RuntimeConfigError(
+            f"give --steps or --epochs, not both (got --steps {values['steps']} and --epochs {values['epochs']}): "
+            f"--epochs sets the steps to epochs * (train samples // batch size)")
     return TrainConfig.of(**values)
 
 

@@ -77,7 +77,8 @@ class SharedParameter:
     """A parameter or buffer read by several graph nodes (tied weights).
 
     Its bytes are counted once, at ``nodes[0]``. A pipeline cut between two of ``nodes``
-    would need the tensor on two stages; the runtime refuses such plans.
+    puts the tensor on two stages: the runtime keeps a copy on each and sums their
+    gradients at every step (:mod:`pipetrain.runtime.tied`; synchronous schedules only).
 
     Attributes:
         names: qualified names (``lm_head.weight``) under which the model holds the tensor.
@@ -201,6 +202,27 @@ def _user_location(exc: BaseException) -> str | None:
 def _describe_failure(exc: BaseException) -> str:
     loc = _user_location(exc)
     return f"{_first_line(exc)} (at {loc})" if loc else _first_line(exc)
+
+
+@contextlib.contextmanager
+def _no_kv_cache(model: nn.Module) -> Iterator[None]:
+    """Capture a Hugging Face model without its key/value cache.
+
+    A stock ``transformers`` model (``config.use_cache=True``, the default) returns a
+    ``DynamicCache`` beside the logits: a generation aid that training never reads, which
+    ``torch.export`` cannot flatten and which would otherwise cross every pipeline cut. Its
+    ``config.use_cache`` is off while capturing (and restored afterwards), so the graph's
+    output is the ``ModelOutput`` with the logits only.
+    """
+    config = getattr(model, "config", None)
+    cached = getattr(config, "use_cache", None) is True
+    if cached:
+        config.use_cache = False  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        if cached:
+            config.use_cache = True  # type: ignore[union-attr]
 
 
 @contextlib.contextmanager
@@ -603,7 +625,7 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
         ("export", lambda: _trace_export(model, inputs, dynamic_batch=True)),
         ("export", lambda: _trace_export(model, inputs, dynamic_batch=False)),
     ]
-    with preserved_state(model, devices) as snapshot:
+    with _no_kv_cache(model), preserved_state(model, devices) as snapshot:
         if validate:
             eager_output()
             snapshot.restore()

@@ -68,11 +68,20 @@ class CostParams:
         overlap: fraction of a stage's backward time that gradient all-reduce can hide behind
             (1.0: fully overlapped except what exceeds the backward pass; 0.0: no overlap).
         minibatches: minibatches between two pipeline fills (the fill is amortised over them).
+        allreduce_bandwidth: per-link bytes/s of the ring all-reduce (a calibration's
+            ``allreduce_bus_bandwidth``); None: the level's bandwidth (divided by its unit size).
+        allreduce_latency: seconds per ring step of an all-reduce (a ring over m ranks takes
+            ``2 (m-1)`` steps); None: ``latency``.
+
+    :func:`pipetrain.plan.calibrated.calibrated_params` fills these from a measured
+    :class:`~pipetrain.cluster.calibration.Calibration`.
     """
 
     latency: float = 20e-6
     overlap: float = 1.0
     minibatches: int = 100
+    allreduce_bandwidth: float | None = None
+    allreduce_latency: float | None = None
 
     def __post_init__(self) -> None:
         if not self.latency >= 0 or not 0.0 <= self.overlap <= 1.0 or int(self.minibatches) < 1:
@@ -80,6 +89,17 @@ class CostParams:
                 f"cost parameters latency={self.latency}, overlap={self.overlap}, minibatches={self.minibatches} "
                 f"are invalid; need latency >= 0, 0 <= overlap <= 1, minibatches >= 1"
             )
+        if self.allreduce_bandwidth is not None and not 0 < self.allreduce_bandwidth < float("inf"):
+            raise PlanError(f"cost parameter allreduce_bandwidth={self.allreduce_bandwidth} must be positive finite "
+                            f"bytes/s or None (the level's bandwidth)")
+        if self.allreduce_latency is not None and not 0 <= self.allreduce_latency < float("inf"):
+            raise PlanError(f"cost parameter allreduce_latency={self.allreduce_latency} must be >= 0 seconds or None "
+                            f"(the point-to-point latency)")
+
+    @property
+    def ring_step_latency(self) -> float:
+        """Seconds per ring step of an all-reduce."""
+        return self.latency if self.allreduce_latency is None else self.allreduce_latency
 
 
 @dataclass(frozen=True)
@@ -195,9 +215,15 @@ class PipetrainCost(CostModel):
     params: CostParams = CostParams()
     name = "pipetrain"
 
+    def _ring_bandwidth(self, lv: LevelCtx) -> float:
+        """Bytes/s of the ring all-reduce's transfer term: the calibrated per-link figure when
+        given (it already includes every worker of a unit), else ``B U`` of the level."""
+        bw = self.params.allreduce_bandwidth
+        return float(bw) if bw is not None else lv.bandwidth * lv.unit
+
     def _allreduce(self, lv: LevelCtx, P: Any, m: Any) -> np.ndarray:
-        a = 2.0 * np.asarray(P, dtype=float) / (lv.bandwidth * lv.unit)
-        return np.where(m > 1.0, a * (1.0 - 1.0 / m) + 2.0 * self.params.latency * (m - 1.0), 0.0)
+        a = 2.0 * np.asarray(P, dtype=float) / self._ring_bandwidth(lv)
+        return np.where(m > 1.0, a * (1.0 - 1.0 / m) + 2.0 * self.params.ring_step_latency * (m - 1.0), 0.0)
 
     def _comm(self, lv: LevelCtx, Xs: Any, Xe: Any) -> np.ndarray:
         lat = 2.0 * self.params.latency
@@ -221,7 +247,7 @@ class PipetrainCost(CostModel):
         prep = super().prepare(lv, E, Bw, P, Xs, Xe)
         prep["comm"] = self._comm(lv, prep["Xs"], prep["Xe"])
         prep["EC"] = np.maximum(prep["E"], prep["comm"])
-        prep["a"] = 2.0 * prep["P"] / (lv.bandwidth * lv.unit)
+        prep["a"] = 2.0 * prep["P"] / self._ring_bandwidth(lv)
         prep["c"] = self.params.overlap * prep["Bw"]
         return prep
 
@@ -229,7 +255,7 @@ class PipetrainCost(CostModel):
         return np.asarray(prep["EC"] <= tau)  # term(1) = max(E, comm)
 
     def _guess(self, prep: dict[str, Any], tau: float) -> np.ndarray:
-        al = self.params.latency
+        al = self.params.ring_step_latency
         E, a, c = prep["E"], prep["a"], prep["c"]
         m0 = np.maximum(np.ceil(prep["EC"] / tau), 2.0)
         m0 = np.where(np.isnan(m0), np.inf, m0)
@@ -312,14 +338,16 @@ def stage_arrays(profile: Profile, stages: Sequence[Sequence[str]]) -> StageArra
     for k in range(P):
         if layers[k] == 0:
             raise PlanError(f"stage {k} holds only model inputs; every stage needs a layer; merge it into the next stage")
-    # X_k: outputs of nodes in stages < k read by nodes in stages >= k (inputs carry no bytes)
+    # X_k: outputs of nodes in stages < k read by nodes in stages >= k. Model inputs count too:
+    # they live in stage 0 and the runtime relays them to a later reader (docs/traffic.md), so
+    # X_k is exactly the activation bytes of one minibatch the runtime sends across cut k.
     last_reader: dict[str, int] = {}
     for nd in profile.nodes:
         for src in dict.fromkeys(nd.inputs):
             last_reader[src] = max(last_reader.get(src, -1), where[nd.name])
     cuts = [0.0] * (P + 1)
     for nd in profile.nodes:
-        if nd.is_input or nd.name not in last_reader:
+        if nd.name not in last_reader:
             continue
         for k in range(where[nd.name] + 1, last_reader[nd.name] + 1):
             cuts[k] += nd.activation_bytes

@@ -11,7 +11,7 @@ differences ``q[I] - q[I']``:
 
 - ``compute``: forward + backward seconds of the non-input nodes; ``backward`` likewise;
 - ``params``: parameter bytes; ``act``: activation bytes (inputs included, for memory);
-- ``cut``: bytes leaving the ideal, i.e. outputs of its non-input nodes read by a node
+- ``cut``: bytes leaving the ideal, i.e. outputs of its nodes (model inputs included) read by a node
   outside it (each output counted once) -- ``X_k`` of the cost model.
 
 State-space control (:func:`build_states`): all ideals are enumerated when there are at
@@ -47,7 +47,7 @@ class Dag:
     backward: np.ndarray     # seconds, 0 for input nodes
     params: np.ndarray       # bytes
     act: np.ndarray          # bytes of the node's output (inputs included)
-    out_bytes: np.ndarray    # bytes the node sends when cut off its readers (0 for inputs)
+    out_bytes: np.ndarray    # bytes the node sends when cut off its readers (inputs included)
     is_input: np.ndarray     # bool
 
     @property
@@ -81,8 +81,7 @@ class Dag:
         fwd[inp] = 0.0
         bwd[inp] = 0.0
         act = np.array([nd.activation_bytes for nd in profile.nodes], dtype=float)
-        out = act.copy()
-        out[inp] = 0.0  # model inputs are loaded where they are needed: they carry no bytes
+        out = act.copy()  # model inputs too: the runtime relays an input read after stage 0 (docs/traffic.md)
         return Dag(
             names=[nd.name for nd in profile.nodes], preds=preds, succs=succs,
             compute=fwd + bwd, backward=bwd,

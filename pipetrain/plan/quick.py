@@ -7,6 +7,14 @@ or a plan the run's schedule cannot execute on exactly ``workers`` ranks, falls 
 balanced split into ``workers`` single-replica stages (:func:`~pipetrain.plan.cuts.split_by_config`).
 The returned note says which happened (it is recorded in the run's outputs).
 
+With ``calibration`` (``train --calibration FILE``: a file from ``pipetrain calibrate
+--output``, or ``measure`` for a loopback measurement now) the planner plans on the measured
+link bandwidth, latency and all-reduce cost (:mod:`pipetrain.plan.calibrated`), and the
+chosen stages are timed as a whole to correct the per-node profile and re-plan
+(:func:`pipetrain.plan.stage_timing.refined_plan`); without, on
+a flat topology at :data:`LOCAL_BANDWIDTH` and the ``pipetrain`` model's default constants.
+A calibration that cannot be read is the user's error and is raised, not fallen back from.
+
 Measured times differ from run to run, so the answer is computed once, in the launcher (or
 by rank 0 under an outer ``torchrun``), and handed to every worker.
 """
@@ -39,7 +47,7 @@ def _memory_model(schedule: str, known: tuple[str, ...]) -> str:
 def quick_plan(captured: "CapturedModel", inputs: tuple[Any, ...], *, batch_size: int, workers: int,
                schedule: str, microbatches: int, schedule_options: Mapping[str, Any] | None = None,
                optimizer: str = "sgd", momentum: float = 0.0, threads: int | None = None,
-               model_name: str = "") -> tuple[Plan, str]:
+               model_name: str = "", calibration: Any = None) -> tuple[Plan, str]:
     """The planner's plan for ``workers`` local ranks, from a quick profile; or a balanced split.
 
     Args:
@@ -49,6 +57,8 @@ def quick_plan(captured: "CapturedModel", inputs: tuple[Any, ...], *, batch_size
             has one for it (``plan.memory.SCHEDULES``), else a flushed 1F1B schedule's.
         microbatches: units per minibatch of the run.
         schedule_options: the run's schedule options (checked by building one step).
+        calibration: None, a calibration file's path, ``"measure"``, or a
+            :class:`~pipetrain.cluster.calibration.Calibration`: plan on measured costs.
 
     Returns:
         ``(plan, note)``: the plan, and one line saying where it came from.
@@ -58,6 +68,9 @@ def quick_plan(captured: "CapturedModel", inputs: tuple[Any, ...], *, batch_size
     from .api import PlanOptions, plan as run_planner
     from .memory import SCHEDULES as MEMORY_MODELS
 
+    from .calibrated import plan_with_calibration, resolve_calibration
+
+    cal = resolve_calibration(calibration)  # a bad file raises: the user asked for it
     fallback = split_by_config(captured, [1] * workers, model_name, batch_size)
     try:
         from ..profile.profiler import profile_captured
@@ -65,7 +78,13 @@ def quick_plan(captured: "CapturedModel", inputs: tuple[Any, ...], *, batch_size
         prof = profile_captured(captured, inputs, batch_size=batch_size, warmup=1, repeats=2, optimizer=optimizer,
                                 momentum=momentum, model_name=model_name, threads=threads)
         opts = PlanOptions(schedule=_memory_model(schedule, MEMORY_MODELS), microbatches=microbatches)
-        chosen = run_planner(prof, Topology.flat(workers, LOCAL_BANDWIDTH), opts)
+        if cal is not None:  # measured costs: stage times measured as a whole correct the per-node profile
+            from .stage_timing import refined_plan
+
+            chosen, _ = refined_plan(prof, captured.gm, tuple(inputs),
+                                     lambda pr: plan_with_calibration(pr, workers, cal, opts))
+        else:
+            chosen = run_planner(prof, Topology.flat(workers, LOCAL_BANDWIDTH), opts)
     except (PipetrainError, Exception) as e:  # noqa: BLE001 - any profile/planner failure falls back
         return fallback, f"balanced split into {workers} stages (planner failed: {type(e).__name__}: {e})"
     spec = get_schedule(schedule)
@@ -73,10 +92,13 @@ def quick_plan(captured: "CapturedModel", inputs: tuple[Any, ...], *, batch_size
     try:  # the schedule must run the plan's replicas on exactly `workers` ranks
         usable = spec.ranks_needed(chosen.replicas, options) == workers
         if usable:
-            spec.build(chosen.replicas, microbatches, 1, **options)
+            # one period of steps: pipedream steps a stage with r replicas once per r minibatches
+            spec.build(chosen.replicas, microbatches, int(spec.steps_period(chosen.replicas)), **options)
     except PipetrainError:
         usable = False
     if not usable:
         return fallback, (f"balanced split into {workers} stages (the planner's plan {chosen.config} does not run "
                           f"on exactly {workers} workers with {schedule})")
-    return chosen, f"planner ({chosen.config}) from a quick profile on this machine"
+    costs = (f"calibrated costs ({cal.where}, {cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s)"
+             if cal is not None else "default costs")
+    return chosen, f"planner ({chosen.config}) from a quick profile on this machine and {costs}"

@@ -51,7 +51,7 @@ def _probe_dir(flag: str, value: str, directory: Path) -> None:
 
 def check_output_paths(cfg: TrainConfig) -> None:
     """``--save PATH`` must name a file (missing parent directories are created) and
-    ``--trace DIR`` a directory (created if missing), both writable."""
+    ``--trace DIR`` / ``--log-dir DIR`` a directory (created if missing), all writable."""
     save, trace = cfg.checkpoint.save, cfg.output.trace
     if save is not None:
         path = Path(save)
@@ -70,6 +70,13 @@ def check_output_paths(cfg: TrainConfig) -> None:
                 f"rank0.json, ... and trace.json into it); pass a directory name, e.g. --trace {path.stem or 'trace'}"
                 f"_trace")
         _probe_dir("--trace", trace, path)
+    log_dir = cfg.output.log_dir
+    if log_dir is not None:
+        path = Path(log_dir)
+        if path.exists() and not path.is_dir():
+            raise RuntimeConfigError(f"--log-dir {log_dir}: {str(path)!r} is an existing file, but --log-dir takes a "
+                                     f"directory (metrics.jsonl, config.json, ... go into it); pass a directory name")
+        _probe_dir("--log-dir", log_dir, path)
 
 
 def _describe(ts: Any) -> str:

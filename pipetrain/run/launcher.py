@@ -47,9 +47,32 @@ def train(cfg: TrainConfig) -> RunResult | None:
     from . import checks
 
     run = checks.preflight(cfg)  # everything decidable before any process starts
+    run = _check_checkpointing(run)
     if run.in_process:
         return single.train_one_process(run)
-    return launch.launch_local([run], timeout=cfg.performance.timeout)[0]
+    return launch.launch_local([run], timeout=cfg.performance.timeout,
+                               max_restarts=cfg.checkpoint.max_restarts)[0]
+
+
+def _check_checkpointing(run: ResolvedRun) -> ResolvedRun:
+    """``--checkpoint-dir``: a distributed run, and the latest checkpoint there (if any) is of
+    this model; the run gets a segment boundary at its step (a checkpoint of another layout or
+    ``--checkpoint-every``), so that the workers resume there (runtime/checkpointing.py)."""
+    ck = run.config.checkpoint
+    if ck.checkpoint_dir is None:
+        return run
+    if run.in_process:
+        raise RuntimeConfigError(
+            f"--checkpoint-dir {ck.checkpoint_dir} needs a pipeline run of 2 or more workers (one-process runs write "
+            f"only --save); pass --workers 2 or more, or use --save/--resume")
+    from ..checkpoint import latest_checkpoint, read_manifest
+    from ..runtime.checkpointing import check_boundary, cut_at
+
+    latest = latest_checkpoint(ck.checkpoint_dir)
+    if latest is not None:
+        run = cut_at(run, read_manifest(latest).step)
+    check_boundary(run, ck.checkpoint_dir)
+    return run
 
 
 def _train_as_worker(cfg: TrainConfig) -> RunResult | None:
@@ -81,6 +104,12 @@ def _train_as_worker(cfg: TrainConfig) -> RunResult | None:
             raise error
         raise WorkerFailure.of(box[0])
     run: ResolvedRun = box[0]
+    if cfg.checkpoint.max_restarts and rank == 0 and int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) == 0:
+        import logging
+
+        logging.getLogger("pipetrain").warning(
+            "--max-restarts %d is applied by the local launcher; under torchrun pass torchrun's own --max-restarts "
+            "(the workers resume from --checkpoint-dir after a restart)", cfg.checkpoint.max_restarts)
     if run.in_process:  # torchrun with one process: plain training
         from ..runtime.single import train_one_process
 

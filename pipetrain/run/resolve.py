@@ -10,7 +10,14 @@ schedule's :class:`~pipetrain.schedule.ScheduleSpec` wherever the schedule matte
 4. the plan: ``--plan`` loaded, ``--cut`` / ``--config`` / the schedule's own layout cut by
    :mod:`pipetrain.plan.cuts`, or the planner's from a quick profile (:mod:`pipetrain.plan.quick`);
    checked against the captured graph (every node in one stage, stages in graph order);
-5. the complete schedule of every segment (warm-up, timed).
+5. the complete schedule of every segment: the warm-up, then the timed steps split at every
+   boundary step (evaluations, checkpoints, the end: :func:`segment_plan`).
+
+Real data (``--data``) is loaded here first (:func:`resolve_data`): the model options that fit
+it are merged under the user's (``model_options_for``), ``--epochs`` becomes steps, and the
+model is checked against the samples (``check_fits``) before any worker starts. The resolved
+run carries the data's description (:class:`~pipetrain.runtime.data.DataSpec`), not its
+tensors; workers reload it from the seed.
 
 The result is checked (:meth:`ResolvedRun.check`) and handed, unchanged, to every worker.
 """
@@ -20,14 +27,16 @@ from typing import Any
 
 import torch
 
-from ..errors import RuntimeConfigError
+from ..errors import DataError, RuntimeConfigError
 from ..plan.cuts import split_at_cuts, split_by_config
 from ..plan.types import Plan
 from ..runtime.config import TrainConfig, parse_config, parse_cut
+from ..runtime.data import DataSpec
 from ..runtime.model import load_bundle
 from ..runtime.resolved import ResolvedRun, Segment
 
-__all__ = ["resolve_run", "resolve_with_bundle", "resolve_batch_size", "implied_workers", "ONE_PROCESS_NOTE"]
+__all__ = ["resolve_run", "resolve_with_bundle", "resolve_batch_size", "implied_workers", "ONE_PROCESS_NOTE",
+           "resolve_data", "segment_plan"]
 
 ONE_PROCESS_NOTE = "one process (plain training with torch.optim)"
 
@@ -127,20 +136,27 @@ def _check_divides(batch: int, m: int) -> None:
             f"use --microbatches {lower} or --batch-size {(batch // m + 1) * m}")
 
 
-def _check_steps_period(cfg: TrainConfig, model_replicas: list[int], source: str) -> None:
-    """Steps must be a multiple of ``spec.steps_period`` (pipedream: every replica count)."""
+def _period(cfg: TrainConfig, model_replicas: list[int]) -> int:
     ranks = cfg.spec.rank_replicas(model_replicas, cfg.parallel.schedule_options)
-    period = int(cfg.spec.steps_period(ranks))
-    for n, what in ((cfg.training.warmup_steps, "--warmup-steps"), (cfg.training.steps, "--steps")):
+    return int(cfg.spec.steps_period(ranks))
+
+
+def _check_steps_period(cfg: TrainConfig, model_replicas: list[int], source: str) -> None:
+    """Steps must be a multiple of ``spec.steps_period`` (pipedream: every replica count);
+    steps from ``--epochs`` are rounded down to one instead (:func:`segment_plan`)."""
+    period = _period(cfg, model_replicas)
+    checks = [(cfg.training.warmup_steps, "--warmup-steps")]
+    if cfg.training.epochs is None:
+        checks.append((cfg.training.steps, "--steps"))
+    for flag, every in (("--eval-every", cfg.evaluation.eval_every),
+                        ("--checkpoint-every", cfg.checkpoint.checkpoint_every)):
+        if every:
+            checks.append((every, flag))
+    for n, what in checks:
         if n and n % period:
             raise RuntimeConfigError(
                 f"{cfg.parallel.schedule} steps a stage with r replicas once per r minibatches, so {what} must be a "
                 f"multiple of every replica count of {source}: got {what} {n}; use {what} {(n // period + 1) * period}")
-
-
-def _step_counts(cfg: TrainConfig) -> list[tuple[str, int]]:
-    return ([("warmup", cfg.training.warmup_steps)] if cfg.training.warmup_steps else []) + \
-        [("timed", cfg.training.steps)]
 
 
 def _one_stage_names() -> str:
@@ -212,7 +228,118 @@ def _choose_plan(cfg: TrainConfig, captured: Any, bundle: Any, batch: int, worke
     inputs = bundle.make_batch(batch, torch.Generator().manual_seed(cfg.training.seed))[0]
     return quick_plan(captured, tuple(inputs), batch_size=batch, workers=workers, schedule=spec.name, microbatches=m,
                       schedule_options=par.schedule_options, optimizer=cfg.optimizer.name,
-                      momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=name)
+                      momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=name,
+                      calibration=par.calibration)
+
+
+def resolve_data(cfg: TrainConfig) -> tuple[TrainConfig, Any]:
+    """Load ``--data`` (launcher side) and fold what it decides into the configuration.
+
+    Returns the configuration with the model options that fit the data (the user's
+    ``--option`` values win) and ``steps = epochs * steps_per_epoch`` when ``--epochs`` is
+    given, and the :class:`~pipetrain.data.DataSource` (``None`` for synthetic data).
+
+    Raises:
+        DataError: the data cannot be loaded (unknown name, missing directory, a factory
+            returning the wrong thing) or the model cannot read it.
+        RuntimeConfigError: ``--epochs`` / ``--eval-every`` / a target on synthetic data.
+    """
+    if cfg.data.synthetic:
+        ev = cfg.evaluation
+        for flag, given in (("--epochs", cfg.training.epochs is not None), ("--eval-every", bool(ev.eval_every)),
+                            ("--target-accuracy", ev.target_accuracy is not None),
+                            ("--target-loss", ev.target_loss is not None)):
+            if given:
+                raise RuntimeConfigError(
+                    f"{flag} needs real data with an eval split, but the run trains on synthetic batches; pass "
+                    f"--data digits (or fashion-mnist, shakespeare, text:PATH, package.module:function)")
+        return cfg, None
+    ev = cfg.evaluation
+    if ev.eval_every == 0 and ev.has_target:
+        flag = "--target-accuracy" if ev.target_accuracy is not None else "--target-loss"
+        raise RuntimeConfigError(f"{flag} is checked at evaluations, but --eval-every 0 turns them off; drop "
+                                 f"--eval-every 0 (default: every epoch) or the target")
+    from ..data import load_data, model_options_for
+
+    d = cfg.data
+    source = load_data(d.data, data_dir=d.data_dir, seed=cfg.training.seed, seq_len=d.seq_len)
+    options = {**model_options_for(cfg.model.name, source), **dict(cfg.model.options)}
+    cfg = cfg.replace(model_options=options)
+    if cfg.training.epochs is not None:
+        batch = resolve_batch_size(cfg)
+        if source.num_train < batch:
+            raise DataError(f"the train split of {source.name!r} has {source.num_train} samples, fewer than one "
+                            f"minibatch of {batch}; pass --batch-size {source.num_train} or less")
+        cfg = cfg.replace(steps=cfg.training.epochs * (source.num_train // batch))
+    return cfg, source
+
+
+def _data_spec(cfg: TrainConfig, source: Any, batch: int, unit_batch: int) -> DataSpec | None:
+    """The description of ``source`` that the resolved run carries (``None``: synthetic)."""
+    if source is None:
+        return None
+    from ..data import suggested_workers
+
+    if source.num_train < batch:
+        raise DataError(f"the train split of {source.name!r} has {source.num_train} samples, fewer than one "
+                        f"minibatch of {batch}; pass --batch-size {source.num_train} or less")
+    eb = cfg.evaluation.eval_batch_size or batch
+    if eb % unit_batch:
+        raise RuntimeConfigError(
+            f"--eval-batch-size {eb} is not a multiple of the microbatch size {unit_batch}: eval batches go through "
+            f"the pipeline in units of the training microbatch; pass --eval-batch-size "
+            f"{max(unit_batch, eb // unit_batch * unit_batch)}")
+    d = cfg.data
+    workers = d.loader_workers if d.loader_workers is not None else suggested_workers(source.train)
+    return DataSpec(name=d.data, data_dir=d.data_dir, seq_len=d.seq_len, seed=cfg.training.seed, task=source.task,
+                    target_dtype=source.target_dtype, num_train=source.num_train, num_eval=source.num_eval,
+                    steps_per_epoch=source.num_train // batch, eval_batch_size=eb, loader_workers=workers,
+                    description=source.description)
+
+
+def segment_plan(steps: int, warmup: int, eval_every: int | None, checkpoint_every: int | None,
+                 checkpoint_end: bool = False) -> list[tuple[str, int, bool, bool]]:
+    """The segments of a run as ``(kind, steps, evaluate, checkpoint)``: the warm-up (if any),
+    then the timed steps cut at every multiple of ``eval_every`` and of ``checkpoint_every``
+    and at the end. Steps are counted from the run's first minibatch, warm-up included (the
+    count :func:`pipetrain.runtime.checkpointing.checkpoint_due` uses). The end evaluates when
+    ``eval_every`` is set and checkpoints when ``checkpoint_end``.
+
+    >>> segment_plan(10, 0, 4, None)
+    [('timed', 4, True, False), ('timed', 4, True, False), ('timed', 2, True, False)]
+    """
+    total = warmup + steps
+    marks: set[int] = {total}
+    for every in (eval_every, checkpoint_every):
+        if every:
+            marks.update(b for b in range(every, total, every) if b > warmup)
+    out: list[tuple[str, int, bool, bool]] = [("warmup", warmup, False, False)] if warmup else []
+    prev = warmup
+    for b in sorted(marks):
+        ev = bool(eval_every) and (b % eval_every == 0 or b == total)  # type: ignore[operator]
+        ck = bool(checkpoint_every and b % checkpoint_every == 0) or (checkpoint_end and b == total)
+        out.append(("timed", b - prev, ev, ck))
+        prev = b
+    return out
+
+
+def _boundaries(cfg: TrainConfig, data: DataSpec | None,
+                period: int) -> tuple[TrainConfig, list[tuple[str, int, bool, bool]]]:
+    """Steps rounded to the schedule's period (``--epochs`` only) and the segment plan."""
+    steps = cfg.training.steps
+    if cfg.training.epochs is not None and steps % period:
+        steps = max(period, steps // period * period)
+        cfg = cfg.replace(steps=steps)
+    eval_every = cfg.evaluation.eval_every
+    if data is None:
+        eval_every = None
+    elif eval_every is None:  # every epoch, on a step the schedule can stop at
+        eval_every = max(period, data.steps_per_epoch // period * period)
+    ck = cfg.checkpoint
+    every = ck.checkpoint_every if ck.checkpoint_dir is not None else None
+    plan = segment_plan(steps, cfg.training.warmup_steps, eval_every or None, every,
+                        checkpoint_end=ck.checkpoint_dir is not None)
+    return cfg, plan
 
 
 def _load(cfg: TrainConfig, unit_batch: int) -> Any:
@@ -229,25 +356,30 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     from ..graph.capture import capture
     from ..runtime.stage import partition_graph
 
+    cfg, source = resolve_data(cfg)
     par, spec = cfg.parallel, cfg.spec
     options = par.schedule_options
     workers = world if world is not None else (par.workers or implied_workers(cfg) or 1)
     _check_workers(cfg, workers)
     batch = resolve_batch_size(cfg)
-    counts = _step_counts(cfg)
     if workers == 1:
         m = par.microbatches or 1
         _check_divides(batch, m)
+        data = _data_spec(cfg, source, batch, batch)
+        cfg, counts = _boundaries(cfg, data, 1)
+        bundle = _load(cfg, batch)
+        _check_fits(bundle, source)
         run = ResolvedRun(cfg, 1, batch, m, None, ONE_PROCESS_NOTE, options,
-                          tuple(Segment(kind, n) for kind, n in counts))
+                          tuple(Segment(kind, n, None, ev, ck) for kind, n, ev, ck in counts), data)
         run.check()
-        return run, _load(cfg, batch)
+        return run, bundle
     replicas = _layout_replicas(cfg, workers)
     m = _microbatches(cfg, replicas if replicas is not None else [1] * workers)
     _check_divides(batch, m)
     if replicas is not None:
         _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
     bundle = _load(cfg, batch // m)
+    _check_fits(bundle, source)
     captured = capture(bundle.model, bundle.example_inputs)
     _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas)
@@ -263,10 +395,25 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
             f"the plan ({plan.config}) needs {need} workers but the run has {workers}; pass --workers {need} or "
             f"another plan")
     partition_graph(captured.gm, [list(s.nodes) for s in plan.stages])  # the plan fits the captured graph
-    segments = tuple(Segment(kind, n, spec.build(plan.replicas, m, n, **options)) for kind, n in counts)
-    run = ResolvedRun(cfg, workers, batch, m, plan, note, options, segments)
+    data = _data_spec(cfg, source, batch, batch // m)
+    cfg, counts = _boundaries(cfg, data, _period(cfg, plan.replicas))
+    built: dict[int, Any] = {}  # one schedule per segment length, shared by the segments of that length
+    for _, n, _, _ in counts:
+        if n not in built:
+            built[n] = spec.build(plan.replicas, m, n, **options)
+    segments = tuple(Segment(kind, n, built[n], ev, ck) for kind, n, ev, ck in counts)
+    run = ResolvedRun(cfg, workers, batch, m, plan, note, options, segments, data)
     run.check()
     return run, bundle
+
+
+def _check_fits(bundle: Any, source: Any) -> None:
+    """The model reads the data's samples (``pipetrain.data.check_fits``), random state kept."""
+    if source is None:
+        return
+    from ..data import check_fits
+
+    check_fits(bundle, source)
 
 
 def resolve_run(cfg: TrainConfig, world: int | None = None) -> ResolvedRun:

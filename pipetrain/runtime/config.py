@@ -4,11 +4,13 @@
 
     TrainConfig
       model        ModelSection        which model, with which options
+      data         DataSection         --data, --data-dir, --seq-len, --loader-workers
       parallel     ParallelSection     workers, plan / --config / --cut, schedule and its options
-      training     TrainingSection     steps, batch, seed, learning-rate schedule, clipping
+      training     TrainingSection     steps (or epochs), batch, seed, learning-rate schedule, clipping
+      evaluation   EvaluationSection   --eval-every, --eval-batch-size, --target-accuracy / --target-loss
       optimizer    OptimizerConfig     torch.optim's hyper-parameters
-      checkpoint   CheckpointSection   --save / --resume
-      output       OutputSection       trace, progress lines, --json
+      checkpoint   CheckpointSection   --save / --resume, --checkpoint-dir/-every, --keep, --max-restarts
+      output       OutputSection       trace, progress lines, --json, --log-dir
       performance  PerformanceSection  threads, timeouts, allocator and kernel knobs
       debug        DebugSection        test hooks, not shown in --help
 
@@ -57,7 +59,8 @@ DEVICES = ("cpu", "cuda")
 
 __all__ = [
     "Flag", "setting", "settings", "SECTIONS", "TrainConfig", "ModelSection", "ParallelSection", "TrainingSection",
-    "OptimizerConfig", "CheckpointSection", "OutputSection", "PerformanceSection", "DebugSection", "LRSchedule",
+    "OptimizerConfig", "CheckpointSection", "DataSection", "EvaluationSection", "OutputSection", "PerformanceSection",
+    "DebugSection", "LRSchedule",
     "parse_config", "parse_cut", "parse_debug_fail", "parse_model_option", "OPTIMIZERS", "LR_SCHEDULES", "DEVICES",
 ]
 
@@ -289,6 +292,9 @@ class ParallelSection:
     workers: int | None = setting(None, "worker processes (default: what --config/--plan needs, else 1; under "
                                         "torchrun: its world size)", type=int)
     plan: str | None = setting(None, "plan JSON written by `pipetrain plan --output`", exclusive="stages")
+    calibration: str | None = setting(None, "without --plan/--config/--cut: plan on the link costs measured by "
+                                            "`pipetrain calibrate --output FILE` (or 'measure': on loopback now)",
+                                      metavar="FILE")
     config: str | None = setting(None, "replicas per stage, e.g. 2-1-1 (stages cut by balanced estimated compute)",
                                  exclusive="stages")
     cut: str | None = setting(None, "where stages 1, 2, ... begin: a node name or a module name of the captured "
@@ -299,6 +305,9 @@ class ParallelSection:
                                              "the pipeline depth, at least the largest replica count)", type=int)
     vertical_sync: bool = setting(False, "pipedream: vertical sync of weight versions", kind="true",
                                   schedule_option=True)
+    stashing: bool = setting(True, "pipedream without weight stashing: each backward uses its stage's newest "
+                                   "weights, recomputing the forward under them (docs/schedules.md)",
+                             flag="--no-stashing", kind="false", schedule_option=True)
     virtual_stages: int | None = setting(None, "interleaved: model chunks per rank (default 2)", type=int,
                                          schedule_option=True)
     device: str = setting("cpu", "cpu (gloo) or cuda (NCCL)", choices=DEVICES)
@@ -373,6 +382,8 @@ class TrainingSection:
     """
 
     steps: int = setting(10, "minibatches to train, i.e. optimizer steps (timed)", type=int)
+    epochs: int | None = setting(None, "passes over the train split of real data: sets the steps to epochs * "
+                                       "(train samples // batch size); not with --steps", type=int)
     warmup_steps: int = setting(0, "untimed minibatches before the timed ones (benchmarks)", type=int)
     batch_size: int | None = setting(None, "samples per minibatch (default: the model's)", type=int)
     seed: int = setting(0, "seed of model init and data (minibatch t uses seed + t)", type=int)
@@ -388,6 +399,8 @@ class TrainingSection:
         object.__setattr__(self, "lr_schedule", _lr_schedule(self.lr_schedule))
         _positive_int("steps", self.steps)
         _positive_int("warmup_steps", self.warmup_steps, minimum=0)
+        if self.epochs is not None:
+            _positive_int("epochs", self.epochs)
         if self.batch_size is not None:
             _positive_int("batch_size", self.batch_size)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
@@ -395,11 +408,107 @@ class TrainingSection:
 
 
 @dataclass(frozen=True)
+class DataSection:
+    """What the run trains on (:func:`pipetrain.data.load_data`).
+
+    ``data`` is ``synthetic`` by default (the model's own random batches, as every throughput
+    run and benchmark uses), a built-in data set (``digits``, ``fashion-mnist``,
+    ``shakespeare``), ``text:PATH``, a path, or ``package.module:function`` returning
+    ``(train_dataset, eval_dataset)``. Real data is loaded once by the launcher (checks and
+    model options) and again, deterministically from the seed, by every worker that needs it.
+    """
+
+    data: str = setting("synthetic", "synthetic (default: the model's random batches), digits, fashion-mnist, "
+                                     "shakespeare, text:PATH, a path, or package.module:function returning "
+                                     "(train_dataset, eval_dataset)", metavar="NAME|PATH|MODULE:FUNCTION")
+    data_dir: str | None = setting(None, "where fashion-mnist's IDX files are (default: Debian's "
+                                         "dataset-fashion-mnist directory)", metavar="DIR")
+    seq_len: int | None = setting(None, "tokens per sample of text data (default 128)", type=int)
+    loader_workers: int | None = setting(None, "background processes loading units per worker (default: 0 for "
+                                               "in-memory data sets, 2 for user datasets)", type=int)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.data, str) or not self.data.strip():
+            raise RuntimeConfigError(f"--data takes a data set name, a path or package.module:function, got "
+                                     f"{self.data!r}; e.g. --data digits")
+        if self.seq_len is not None:
+            _positive_int("seq_len", self.seq_len)
+        if self.loader_workers is not None:
+            _positive_int("loader_workers", self.loader_workers, minimum=0)
+
+    @property
+    def synthetic(self) -> bool:
+        """Whether the run draws the model's synthetic batches (no eval split)."""
+        return self.data.strip() == "synthetic"
+
+
+@dataclass(frozen=True)
+class EvaluationSection:
+    """Evaluation on the eval split through the pipeline, and the target that ends a run.
+
+    Evaluation runs at segment boundaries (the pipeline drains there, see
+    :class:`~pipetrain.runtime.resolved.Segment`): every ``eval_every`` steps, by default
+    every epoch of real data; synthetic data has no eval split and is never evaluated.
+    """
+
+    eval_every: int | None = setting(None, "evaluate every N steps (default: every epoch with real data; 0: never)",
+                                     type=int)
+    eval_batch_size: int | None = setting(None, "eval samples per batch through the pipeline (default: the "
+                                                "batch size; a multiple of the microbatch size)", type=int)
+    target_accuracy: float | None = setting(None, "stop at the first evaluation with this accuracy (a fraction, "
+                                                  "e.g. 0.9)", type=float)
+    target_loss: float | None = setting(None, "stop at the first evaluation with at most this eval loss", type=float)
+
+    def __post_init__(self) -> None:
+        from ..metrics.target import validate_target_accuracy, validate_target_loss
+
+        if self.eval_every is not None:
+            _positive_int("eval_every", self.eval_every, minimum=0)
+        if self.eval_batch_size is not None:
+            _positive_int("eval_batch_size", self.eval_batch_size)
+        validate_target_accuracy(self.target_accuracy)
+        validate_target_loss(self.target_loss)
+
+    @property
+    def has_target(self) -> bool:
+        return self.target_accuracy is not None or self.target_loss is not None
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
-    """Where the run's final state goes and where it continues from."""
+    """Where the run's final state goes and where it continues from.
+
+    ``checkpoint_dir``, ``checkpoint_every``, ``keep`` and ``max_restarts`` are declared and
+    checked here; periodic checkpoints and restarts are implemented by
+    :mod:`pipetrain.runtime.checkpointing` (``save_at_boundary``, called by every rank after
+    each segment) and the launcher. Checkpoint points split the run into segments
+    (:func:`pipetrain.run.resolve.segment_plan`), so every checkpoint is at a drained boundary.
+    """
 
     save: str | None = setting(None, "write the final model state_dict (and PATH.trainer) to PATH", metavar="PATH")
     resume: str | None = setting(None, "continue from a checkpoint written by --save", metavar="PATH")
+    checkpoint_dir: str | None = setting(None, "write periodic checkpoints into DIR (and resume from its latest)",
+                                         metavar="DIR")
+    checkpoint_every: int | None = setting(None, "checkpoint every K steps (needs --checkpoint-dir; default: at "
+                                                 "the end only)", type=int)
+    keep: int | None = setting(None, "keep the newest N checkpoints in --checkpoint-dir (default: all)", type=int)
+    max_restarts: int = setting(0, "restart the workers from the latest checkpoint up to R times after a failure",
+                                type=int)
+
+    def __post_init__(self) -> None:
+        for name in ("checkpoint_every", "keep"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        _positive_int("max_restarts", self.max_restarts, minimum=0)
+        if self.checkpoint_dir is None:
+            for name in ("checkpoint_every", "keep"):
+                if getattr(self, name) is not None:
+                    flag = "--" + name.replace("_", "-")
+                    raise RuntimeConfigError(f"{flag} needs --checkpoint-dir DIR (where the checkpoints go); pass "
+                                             f"--checkpoint-dir or drop {flag}")
+            if self.max_restarts:
+                raise RuntimeConfigError(f"--max-restarts {self.max_restarts} restarts from the latest checkpoint, "
+                                         f"so it needs --checkpoint-dir DIR; pass --checkpoint-dir or drop it")
 
 
 @dataclass(frozen=True)
@@ -412,6 +521,8 @@ class OutputSection:
     json: bool = setting(False, "print one JSON object with the run's figures at the end (progress lines go to "
                                 "stderr)", kind="true")
     quiet: bool = setting(False, "no progress lines", flag=None)
+    log_dir: str | None = setting(None, "write metrics.jsonl, TensorBoard events, config.json, plan.json and "
+                                        "schedule.txt into DIR", metavar="DIR")
 
     def __post_init__(self) -> None:
         _positive_int("log_every", self.log_every, minimum=0)
@@ -449,7 +560,8 @@ class PerformanceSection:
 class DebugSection:
     """Test hooks: not shown in ``--help``."""
 
-    debug_fail: str | None = setting(None, "RANK:STEP[:hang] makes RANK raise (or hang) at STEP", hidden=True)
+    debug_fail: str | None = setting(None, "RANK:STEP[:hang|kill|kill-save] makes RANK raise (hang, SIGKILL itself, "
+                                           "or SIGKILL itself inside the checkpoint write) at STEP", hidden=True)
     return_state: bool = setting(False, "gather the final parameters into the result (library, tests)", flag=None)
 
     def __post_init__(self) -> None:
@@ -462,9 +574,9 @@ class DebugSection:
 
 #: Section attribute of :class:`TrainConfig` -> its class, in command-line order.
 SECTIONS: dict[str, type] = {
-    "model": ModelSection, "parallel": ParallelSection, "training": TrainingSection, "optimizer": OptimizerConfig,
-    "checkpoint": CheckpointSection, "output": OutputSection, "performance": PerformanceSection,
-    "debug": DebugSection,
+    "model": ModelSection, "data": DataSection, "parallel": ParallelSection, "training": TrainingSection,
+    "evaluation": EvaluationSection, "optimizer": OptimizerConfig, "checkpoint": CheckpointSection,
+    "output": OutputSection, "performance": PerformanceSection, "debug": DebugSection,
 }
 
 
@@ -497,6 +609,8 @@ class TrainConfig:
     output: OutputSection = field(default_factory=OutputSection)
     performance: PerformanceSection = field(default_factory=PerformanceSection)
     debug: DebugSection = field(default_factory=DebugSection)
+    data: DataSection = field(default_factory=DataSection)
+    evaluation: EvaluationSection = field(default_factory=EvaluationSection)
 
     def __post_init__(self) -> None:
         for attr, cls in SECTIONS.items():
@@ -595,14 +709,22 @@ def parse_cut(text: str) -> list[str]:
 
 
 def parse_debug_fail(text: str) -> tuple[int, int, str]:
-    """Hidden ``--debug-fail RANK:STEP[:hang]`` -> (rank, step, "raise" | "hang")."""
+    """Hidden ``--debug-fail RANK:STEP[:MODE]`` -> (rank, step, mode), mode one of ``raise``
+    (default), ``hang``, ``kill`` (SIGKILL at the step's first forward) and ``kill-save``
+    (SIGKILL inside the checkpoint write at that step); ``kill*`` act on the first attempt only
+    (``TORCHELASTIC_RESTART_COUNT`` 0), so that a restarted run goes through."""
     parts = str(text).split(":")
     try:
-        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in ("raise", "hang")):
+        if len(parts) not in (2, 3) or (len(parts) == 3 and parts[2] not in DEBUG_FAIL_MODES):
             raise ValueError
         return int(parts[0]), int(parts[1]), parts[2] if len(parts) == 3 else "raise"
     except ValueError:
-        raise RuntimeConfigError(f"--debug-fail takes RANK:STEP[:hang], got {text!r}") from None
+        others = ", :".join(m for m in DEBUG_FAIL_MODES if m != "hang")
+        raise RuntimeConfigError(f"--debug-fail takes RANK:STEP[:hang] (or :{others}), got {text!r}") from None
+
+
+#: Modes of the hidden ``--debug-fail`` test hook (:func:`parse_debug_fail`).
+DEBUG_FAIL_MODES = ("raise", "hang", "kill", "kill-save")
 
 
 def parse_model_option(text: str) -> tuple[str, Any]:

@@ -1,4 +1,13 @@
-"""Deterministic data per unit: minibatch ``t`` is ``make_batch(B, Generator().manual_seed(seed + t))``.
+"""The data of a run's units: synthetic minibatches from the model, or real data through :mod:`pipetrain.data`.
+
+Real data (``--data digits`` etc.) is described by a :class:`DataSpec` in the resolved run
+(the description, never the tensors: workers reload the data themselves, deterministically
+from the seed) and read by each rank through :func:`unit_source`: only the part its stage
+needs (inputs on the first stage, targets on the last), only the units its own F actions
+name (so the replicas of a stage read disjoint shards), reshuffled every epoch with the seed
+(:class:`pipetrain.data.EpochSampler`).
+
+Synthetic data: minibatch ``t`` is ``make_batch(B, Generator().manual_seed(seed + t))``.
 
 A unit is a microbatch (``B / m`` samples: chunk ``j`` of minibatch ``t`` for global unit
 ``u = t*m + j``) or, for pipedream (``m = 1``), the whole minibatch. The first stage reads a
@@ -9,12 +18,16 @@ single-process training draw exactly the same samples.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["UnitData", "split_batch"]
+from ..schedule.action import Op, Schedule
+
+__all__ = ["DataSpec", "NoData", "UnitData", "split_batch", "stage_part", "unit_source", "units_of"]
 
 Batch = tuple[tuple[Tensor, ...], Tensor]
 
@@ -96,3 +109,100 @@ class UnitData:
 
 def _to(x: Any, device: torch.device) -> Any:
     return x.to(device, non_blocking=True) if isinstance(x, Tensor) else x
+
+
+# --------------------------------------------------------------------------- real data
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """A real data set as the resolved run carries it: how to load it, and what it is.
+
+    ``load()`` gives the same :class:`~pipetrain.data.DataSource` in every process (the splits
+    depend on ``name``, ``data_dir``, ``seq_len`` and ``seed`` only). The other fields are
+    what the launcher learnt when it loaded it: they size the run without loading again.
+    """
+
+    name: str
+    data_dir: str | None
+    seq_len: int | None
+    seed: int
+    task: str                      # DataSource.task
+    target_dtype: torch.dtype
+    num_train: int
+    num_eval: int
+    steps_per_epoch: int           # whole minibatches per epoch (the tail is dropped)
+    eval_batch_size: int           # rows per eval batch (a multiple of the unit batch)
+    loader_workers: int            # background processes of each rank's UnitLoader
+    description: str = ""
+
+    def load(self) -> Any:
+        """The :class:`~pipetrain.data.DataSource` (raises :class:`~pipetrain.errors.DataError`)."""
+        from ..data import load_data
+
+        return load_data(self.name, data_dir=self.data_dir, seed=self.seed, seq_len=self.seq_len)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "data_dir": self.data_dir, "seq_len": self.seq_len, "task": self.task,
+                "target_dtype": str(self.target_dtype).replace("torch.", ""), "num_train": self.num_train,
+                "num_eval": self.num_eval, "steps_per_epoch": self.steps_per_epoch,
+                "eval_batch_size": self.eval_batch_size, "loader_workers": self.loader_workers,
+                "description": self.description}
+
+
+class NoData:
+    """The data of a rank whose stages read none (middle stages): only ``step_of``."""
+
+    def __init__(self, units_per_step: int, step_offset: int = 0) -> None:
+        self.m = units_per_step
+        self.step_offset = step_offset
+
+    def step_of(self, unit: int) -> int:
+        return self.step_offset + unit // self.m
+
+    def prefetch(self, steps: int) -> int:
+        return 0
+
+    def unit(self, unit: int) -> Any:
+        raise RuntimeError(f"unit {unit}: this rank's stages read no data (neither first nor last stage)")
+
+
+def stage_part(schedule: Schedule, stages: Sequence[int]) -> str | None:
+    """What of a sample the given stages read: ``inputs`` (first stage), ``targets`` (last),
+    ``both``, or ``None`` (middle stages only)."""
+    first = 0 in stages
+    last = schedule.num_stages - 1 in stages
+    return "both" if first and last else "inputs" if first else "targets" if last else None
+
+
+def units_of(actions: Sequence[Any], stages: Sequence[int]) -> list[int]:
+    """The units of the F actions of ``stages`` in ``actions``, in order, each once."""
+    want = set(stages)
+    seen: dict[int, None] = {}
+    for a in actions:
+        if a.op is Op.F and a.stage in want:
+            seen.setdefault(a.mb, None)
+    return list(seen)
+
+
+def unit_source(source: Any, spec: DataSpec, schedule: Schedule, rank: int, batch_size: int, microbatches: int,
+                step_offset: int, device: torch.device) -> Any:
+    """The :class:`~pipetrain.data.UnitLoader` of ``rank`` for one segment of real data.
+
+    It loads only the part its stages need (:func:`stage_part`) of only the units its own
+    first/last-stage F actions name (:func:`units_of`): the replicas of a stage read disjoint
+    shards. Unit ``u`` of the segment is chunk ``u % m`` of minibatch ``step_offset + u // m``
+    (:class:`~pipetrain.data.EpochSampler`, seeded with the run's seed). A rank that reads
+    nothing gets :class:`NoData`.
+    """
+    from ..data import EpochSampler, UnitLoader
+
+    mine = schedule.stages_of_rank(rank)
+    ends = [k for k in mine if k in (0, schedule.num_stages - 1)]
+    part = stage_part(schedule, mine)
+    if part is None:
+        return NoData(microbatches, step_offset)
+    sampler = EpochSampler(source.num_train, batch_size, seed=spec.seed)
+    units = units_of(schedule.workers[rank], ends)
+    return UnitLoader(source.train, sampler, microbatches, units, part=part, step_offset=step_offset,  # type: ignore[arg-type]
+                      num_workers=spec.loader_workers, device=device)

@@ -34,13 +34,17 @@ from torch.func import functional_call
 
 from ..schedule.action import COMPUTE_OPS, Action, Op
 from ..schedule.events import Event
+from . import recompute
 from .comm import Comm
 from .config import LRSchedule
 from .data import UnitData
+from .faults import inject_forward_failure
 from .fused import GradSink, install
 from .log import progress
 from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
+from .split_backward import backward_input, backward_weight
 from .stage import StageModule
+from .tied import TiedSync
 from .versions import WeightVersions, version_last_use
 
 __all__ = ["StageRuntime", "Executor"]
@@ -61,11 +65,17 @@ class StageRuntime:
         self.trainable = [n for n in stage.param_names if named[n].requires_grad]
         # The module keeps only shapes (meta tensors): the weights live in the versions, so a
         # dropped version's memory is really freed. functional_call binds a version per call.
-        for n in stage.param_names:
+        # [tied] Every name of a tensor (a tie inside the stage: emb.weight and head.weight) gets
+        # the same meta parameter, so functional_call binds the version's tensor to all of them.
+        metas: dict[int, torch.nn.Parameter] = {}
+        for n, p in list(mod.named_parameters(remove_duplicate=False)):
+            meta = metas.get(id(p))
+            if meta is None:
+                meta = metas[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                         requires_grad=p.requires_grad)
             owner, _, leaf = n.rpartition(".")
             sub = mod.get_submodule(owner) if owner else mod
-            setattr(sub, leaf, torch.nn.Parameter(torch.empty_like(named[n], device="meta"),
-                                                  requires_grad=named[n].requires_grad))
+            setattr(sub, leaf, meta)
         self.versions = WeightVersions(initial)
         self.lr_total = 1  # horizon of the LR schedule, in this stage's steps
         self._acc: dict[str, Tensor] = {}
@@ -190,6 +200,9 @@ class _Unit:
     recv_bufs: list[Tensor] = field(default_factory=list)
     grad_bufs: list[Tensor] | None = None
     grad_action: Action | None = None
+    inputs: tuple[Any, ...] = ()    # [no stashing] the stage input, kept for the recompute
+    rng: Any = None                 # [no stashing] the random state the forward started from
+    weight_work: Any = None         # [zero-bubble] what I kept for W (runtime/split_backward.py)
 
 
 class Executor:
@@ -205,8 +218,8 @@ class Executor:
         lookahead: actions ahead to post receives for.
         record: keep an :class:`~pipetrain.schedule.events.Event` per action (traces); STEP
             events are always kept (the steady-state throughput is computed from them).
-        fail_at: hidden debug option, ``(rank, step, "raise" | "hang")``: this rank raises
-            (or blocks forever) at its first forward of that step.
+        fail_at: hidden debug option, ``(rank, step, mode)``: this rank raises, blocks forever
+            or SIGKILLs itself at its first forward of that step (:mod:`~pipetrain.runtime.faults`).
         log_every: log the loss of every ``log_every``-th step (last stage; 0: never) on the
             ``pipetrain.progress`` logger.
     """
@@ -230,6 +243,10 @@ class Executor:
         self.fail_at = fail_at
         self.log_every = log_every
         self.lr_totals = lr_totals
+        #: [tied] sums the gradients of parameters tied across stages at STEP (runtime/tied.py)
+        self.tied: TiedSync | None = None
+        #: [numerics] checks losses and gradients at STEP (runtime/numerics.py); None: no checks
+        self.numerics: Any = None
         self.events: list[Event] = []   # seconds since t0; every action if record, else the STEPs
         self.losses: dict[int, Tensor] = {}  # unit -> loss (last stage)
         self._units: dict[tuple[int, int], _Unit] = {}
@@ -237,8 +254,12 @@ class Executor:
         self._outbox: dict[tuple[int, int, int], list[Tensor]] = {}
         self._deferred: list[tuple[StageRuntime, dict[str, Tensor | None]]] = []
         self._last_step_pos: set[int] = set()
+        self._recompute: set[tuple[int, int]] = set()  # [no stashing] (stage, unit) whose B recomputes
         self._group_units: dict[int, list[int]] = {}
         self._logged = 0
+        #: called ``on_step(step, loss)`` for every minibatch the last stage finishes, instead of
+        #: the log line (needs ``log_every >= 1``); the driving rank's progress (runtime/monitor.py)
+        self.on_step: Callable[[int, float], None] | None = None
         self._pos = 0
         self.t0 = time.perf_counter()
         self.handlers: dict[Op, Callable[[Action], None]] = {
@@ -295,17 +316,14 @@ class Executor:
             if a.op is Op.STEP:
                 last_pos[a.mb] = i
         self._last_step_pos = set(last_pos.values())
+        self._recompute = recompute.recompute_units(actions)
 
     # -- compute -----------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
         st = self.stages[a.stage]
         sm = st.stage
         if self.fail_at is not None and self.fail_at[0] == self.rank and self.data.step_of(a.mb) >= self.fail_at[1]:
-            if self.fail_at[2] == "hang":  # a stuck worker: the others must time out, not hang
-                while True:
-                    time.sleep(3600)
-            raise RuntimeError(
-                f"debug failure injected on rank {self.rank} at step {self.data.step_of(a.mb)} (--debug-fail)")
+            inject_forward_failure(self.fail_at[2], self.rank, self.data.step_of(a.mb))  # faults.py: raise/hang/kill
         leaves: list[Tensor] = []
         bufs: list[Tensor] = []
         recv_action = None
@@ -322,6 +340,7 @@ class Executor:
             values = codec.decode(wires)
         version = a.version if a.version is not None else st.versions.newest
         params = st.versions.get(version)
+        rng = recompute.rng_state(self.comm.device) if (a.stage, a.mb) in self._recompute else None
         with torch.enable_grad():
             out = functional_call(sm.module, params, tuple(values))
             if sm.is_last:
@@ -335,6 +354,8 @@ class Executor:
                 self._outbox[(a.stage, a.mb, 0)] = wires_out
                 outputs = [wires_out[i] for i in codec.grad_indices]
         self._units[(a.stage, a.mb)] = _Unit(version, params, leaves, outputs, recv_action, bufs)
+        if rng is not None:  # [no stashing] its B runs under a newer version (runtime/recompute.py)
+            recompute.keep_for_recompute(self._units[(a.stage, a.mb)], values, rng)
 
     def _grad_outputs(self, a: Action, u: _Unit) -> list[Tensor] | None:
         if self.stages[a.stage].stage.is_last:
@@ -364,6 +385,8 @@ class Executor:
     def _backward(self, a: Action) -> None:
         st = self.stages[a.stage]
         u = self._units.pop((a.stage, a.mb))
+        if (a.stage, a.mb) in self._recompute:  # [no stashing] forward again under B's version
+            recompute.recompute(self, a, u)
         self._check_version(a, u)
         outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
         params = [u.params[n] for n in st.trainable]
@@ -374,22 +397,27 @@ class Executor:
         self._note_unit(a)
         self._release(u)
 
+    # -- [zero-bubble] I and W: one backward split with no work done twice (split_backward.py)
     def _backward_input(self, a: Action) -> None:
+        st = self.stages[a.stage]
         u = self._units[(a.stage, a.mb)]
         self._check_version(a, u)
         outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
-        grads = self._grads(outs, gouts, u.leaves, retain=True) if u.leaves else []
+        grads, u.weight_work = backward_input(outs, gouts, u.leaves, [u.params[n] for n in st.trainable], st.sink)
+        u.outputs = []  # W starts from what I kept, not from the outputs
         self._finish_input_grads(a, u, grads)
 
     def _backward_weight(self, a: Action) -> None:
         st = self.stages[a.stage]
         u = self._units.pop((a.stage, a.mb))
         self._check_version(a, u)
-        outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
-        params = [u.params[n] for n in st.trainable]
-        st.accumulate(self._owned(self._grads(outs, gouts, params, retain=False), u))
+        if u.weight_work is None:
+            raise RuntimeError(f"rank {self.rank}: {a.long} runs before the unit's I; a schedule must put I before W")
+        st.accumulate(self._owned(backward_weight(u.weight_work, st.sink), u))
+        u.weight_work = None
         self._note_unit(a)
         self._release(u)
+    # -- [zero-bubble] end
 
     def _finish_input_grads(self, a: Action, u: _Unit, grads: list[Tensor | None]) -> None:
         sm = self.stages[a.stage].stage
@@ -447,6 +475,10 @@ class Executor:
                 f"rank {self.rank}: {a} would make version {a.mb + 1} but stage {a.stage}'s newest version is "
                 f"{st.versions.newest}; STEP k must follow STEP k-1")
         grads = st.mean_gradients()
+        if self.tied is not None:  # [tied] before applying the update: sum the tied copies' gradients
+            self.tied.sync(st, grads)
+        if self.numerics is not None:  # [numerics] a NaN/Inf loss or gradient stops here (runtime/numerics.py)
+            self.numerics.check_step(self, st, a, grads)
         if not self.global_clip:
             st.apply(grads, self.base_lr, self.lr_schedule, clip=self.clip, position=self._pos)
         else:
@@ -454,7 +486,8 @@ class Executor:
             # gradient, one all-reduce over ranks; each replica adds sumsq / replicas.
             self._deferred.append((st, grads))
             if self._pos in self._last_step_pos:
-                local = sum(sum_of_squares(g.values()) / s.replicas for s, g in self._deferred)
+                local = sum((self.tied.sum_of_squares(s, g) if self.tied is not None  # [tied] counted once
+                             else sum_of_squares(g.values())) / s.replicas for s, g in self._deferred)
                 total = math.sqrt(max(0.0, self.comm.sum_over_ranks(local)))
                 coef = clip_coefficient(total, self.clip)  # type: ignore[arg-type]
                 for s, g in self._deferred:
@@ -470,6 +503,9 @@ class Executor:
         if not every or not units:
             return
         step = max(self.data.step_of(u) for u in units)
+        if self.on_step is not None:  # progress and logs of the driving rank (runtime/monitor.py)
+            self.on_step(step + 1, sum(float(self.losses[u]) for u in units) / len(units))
+            return
         bucket = (step + 1) // every
         if bucket > self._logged:  # a replicated last stage sees every r-th step only
             self._logged = bucket

@@ -16,6 +16,7 @@ cause instead of a bare connection error; the launcher reports it as the run's f
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
@@ -25,8 +26,8 @@ from ..errors import PipetrainError
 
 __all__ = ["FailureRecord", "FailureBoard", "WorkerFailure", "connect_board"]
 
-_ROOT_KEY = "pipetrain/failure/root"
-_RANK_KEY = "pipetrain/failure/rank{}"
+_ROOT_KEY = "pipetrain/failure/{}/root"      # formatted with the restart attempt
+_RANK_KEY = "pipetrain/failure/{}/rank{}"
 
 
 class WorkerFailure(RuntimeError):
@@ -73,15 +74,37 @@ class FailureBoard:
     """Failure records in a ``torch.distributed`` store (module docstring). Never raises:
     a store that is gone means no record."""
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: Any, attempt: int | None = None) -> None:
         self.store = store
+        # Records are kept per restart attempt (torchelastic's TORCHELASTIC_RESTART_COUNT), so
+        # that a restarted group never reports the failure of the attempt before it as its own.
+        if attempt is None:
+            attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        self.attempt = attempt
+        self._root_key = _ROOT_KEY.format(attempt)
+
+    def _rank_key(self, rank: int) -> str:
+        return _RANK_KEY.format(self.attempt, rank)
+
+    @classmethod
+    def latest(cls, store: Any, attempts: int, world: int) -> "FailureBoard":
+        """The board of the last attempt that recorded a failure (the launcher's view after a run)."""
+        for attempt in reversed(range(attempts)):
+            board = cls(store, attempt)
+            try:
+                keys = [board._root_key] + [board._rank_key(r) for r in range(world)]
+                if any(store.check([k]) for k in keys):
+                    return board
+            except Exception:  # noqa: BLE001 - a store that is gone: no records
+                break
+        return cls(store, 0)
 
     def post(self, record: FailureRecord) -> None:
         """Record a failure (and make it the root if it is the first root failure)."""
         try:
-            self.store.set(_RANK_KEY.format(record.rank), record.to_json())
+            self.store.set(self._rank_key(record.rank), record.to_json())
             if record.caused_by is None:
-                self.store.compare_set(_ROOT_KEY, "", record.to_json())
+                self.store.compare_set(self._root_key, "", record.to_json())
         except Exception:  # noqa: BLE001 - reporting must not mask the failure itself
             pass
 
@@ -90,8 +113,8 @@ class FailureBoard:
         deadline = time.monotonic() + wait_s
         while True:
             try:
-                if self.store.check([_ROOT_KEY]):
-                    text = self.store.get(_ROOT_KEY)
+                if self.store.check([self._root_key]):
+                    text = self.store.get(self._root_key)
                     if text:
                         return FailureRecord.from_json(text)
             except Exception:  # noqa: BLE001
@@ -102,7 +125,7 @@ class FailureBoard:
 
     def of_rank(self, rank: int) -> FailureRecord | None:
         try:
-            key = _RANK_KEY.format(rank)
+            key = self._rank_key(rank)
             return FailureRecord.from_json(self.store.get(key)) if self.store.check([key]) else None
         except Exception:  # noqa: BLE001
             return None

@@ -16,7 +16,10 @@ children to :class:`AccumulatingLinear`, whose backward returns no weight gradie
 autograd: the executor must treat a parameter the sink wrote as having a gradient (and add
 any other gradient autograd returns for it, e.g. a weight also read elsewhere).
 
-Not for schedules that split the backward (zero-bubble I/W): I would already accumulate.
+Split backwards (zero-bubble I and W, split_backward.py): the sink's ``phase`` says which
+half runs. ``"input"``: the layer's backward computes only ``g w`` (the input gradient) and
+marks itself done; ``"weight"``: only ``g^T x`` into the accumulator (and the bias), plus
+the input gradient if the input pass never ran this layer; ``"full"`` (B): both.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ class GradSink:
     def __init__(self) -> None:
         self.buffers: dict[str, Tensor] = {}
         self.touched: set[str] = set()
+        self.phase = "full"  # "full" (B) | "input" (I) | "weight" (W): see the module docstring
 
     def add(self, name: str, value: Tensor) -> None:
         acc = self.buffers[name]
@@ -62,14 +66,22 @@ class _LinearAccumulate(torch.autograd.Function):
                 wname: str, bname: str | None) -> Tensor:
         ctx.save_for_backward(x, weight)
         ctx.sink, ctx.wname, ctx.bname = sink, wname, bname
+        ctx.set_materialize_grads(False)  # a split backward's gated pass sends None: nothing to do
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, g: Tensor) -> tuple[Tensor | None, None, None, None, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: Tensor | None) -> tuple[Tensor | None, None, None, None, None, None]:  # type: ignore[override]
+        if g is None:
+            return None, None, None, None, None, None
         x, w = ctx.saved_tensors
-        gx = g.matmul(w) if ctx.needs_input_grad[0] else None
-        g2 = g.reshape(-1, g.shape[-1])
         sink: GradSink = ctx.sink
+        phase = sink.phase
+        if phase == "input":  # I: the input gradient only; W adds g^T x later
+            ctx.input_done = True
+            return (g.matmul(w) if ctx.needs_input_grad[0] else None), None, None, None, None, None
+        done = phase == "weight" and getattr(ctx, "input_done", False)
+        gx = g.matmul(w) if ctx.needs_input_grad[0] and not done else None
+        g2 = g.reshape(-1, g.shape[-1])
         if ctx.needs_input_grad[1]:
             sink.add_mm(ctx.wname, g2.t(), x.reshape(-1, x.shape[-1]))
         if ctx.bname is not None and ctx.needs_input_grad[2]:

@@ -2,10 +2,10 @@
 
 :func:`launch_local` starts ``world_size`` local processes with
 ``torch.distributed.launcher.api.elastic_launch`` (the launcher ``torchrun`` itself uses:
-c10d rendezvous on ``127.0.0.1:<free port>``, ``max_restarts=0``), hands each the resolved
-runs (pickled with the entry point's arguments), and returns rank 0's results. A worker's
-failure surfaces as one :class:`~pipetrain.runtime.failures.WorkerFailure`, built from the
-structured :class:`~pipetrain.runtime.failures.FailureRecord` the failing rank posted in a
+c10d rendezvous on ``127.0.0.1:<free port>``, ``max_restarts`` from ``--max-restarts``), hands
+each the resolved runs (pickled with the entry point's arguments), and returns rank 0's
+results. A worker's failure surfaces as one :class:`~pipetrain.runtime.failures.WorkerFailure`,
+built from the structured :class:`~pipetrain.runtime.failures.FailureRecord` the failing rank posted in a
 store this launcher hosts for the run (no error text is parsed).
 
 The library entry point that resolves a configuration first is :func:`pipetrain.run.train`.
@@ -21,6 +21,7 @@ from typing import Any, Iterator, Sequence
 
 from ..errors import RuntimeConfigError
 from .failures import FailureBoard, WorkerFailure
+from .peers import killed_rank
 from .resolved import ResolvedRun
 from .result import RunResult
 
@@ -74,12 +75,14 @@ def reopen_closed_std_fds() -> None:
             os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
 
 
-def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0) -> list[RunResult]:
+def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0, max_restarts: int = 0) -> list[RunResult]:
     """Run ``runs`` one after the other in ``world_size`` fresh local processes (one launch).
 
     Every run must have the same ``world_size`` (> 1). Returns rank 0's result of each run.
     Raises :class:`WorkerFailure` if a worker fails (with the first failing rank, not the
-    ranks it brought down).
+    ranks it brought down). ``max_restarts``: torchelastic restarts every worker up to that
+    many times after a failure (``--max-restarts``; the workers resume from the latest
+    checkpoint in ``--checkpoint-dir``, :mod:`pipetrain.runtime.checkpointing`).
     """
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -99,12 +102,17 @@ def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0) -> list[Ru
     saved_omp = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's default (torch threads are set per worker)
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, rdzv_backend="c10d",
-                      rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0, run_id=f"pipetrain-{uuid.uuid4().hex[:8]}",
+                      rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=max_restarts,
+                      run_id=f"pipetrain-{uuid.uuid4().hex[:8]}",
                       monitor_interval=0.05, start_method="spawn", rdzv_timeout=int(max(30, timeout)))
     try:
         with _quiet_launcher():
             out = elastic_launch(lc, worker_main)(list(runs), ("127.0.0.1", int(store.port)))
     except ChildFailedError as e:
+        board = FailureBoard.latest(store, max_restarts + 1, workers)  # the attempt that failed last
+        dead = killed_rank(e.failures, board)  # a rank killed by a signal posts nothing: name it first
+        if dead is not None:
+            raise dead from None
         root = board.root()
         if root is not None:
             raise WorkerFailure.of(root) from None

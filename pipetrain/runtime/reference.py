@@ -9,6 +9,15 @@ applies ``torch.optim`` (one optimizer per stage, on a master copy) to the newes
 make the next one. This is design.md's rule written the simplest way; the distributed run
 must give the same weights.
 
+PipeDream without weight stashing (schedule option ``stashing=False``): a B action names a
+newer version ``v_B`` than its F. Such a unit is evaluated stage by stage over the captured
+graph (:class:`StageGraph`): once with the F versions (the values every stage sends on),
+once with the B versions, each stage reading its own nodes from the B pass and other stages'
+values with the F pass's value and the B pass's gradient path. That is
+:mod:`pipetrain.runtime.recompute`'s definition (recompute each stage's forward from its
+stashed input under ``v_B``, back-propagate the gradient received from downstream), written
+as one autograd graph.
+
 :func:`train_single_process` is plain training: the whole minibatch, one backward,
 ``torch.optim``. It is what ``--workers 1`` runs, and what synchronous schedules must equal.
 """
@@ -19,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.fx
 from torch import Tensor, nn
 from torch.func import functional_call
 
@@ -26,10 +36,11 @@ from ..schedule.action import Op, Schedule
 from .config import LRSchedule, OptimizerConfig
 from .data import UnitData
 from .model import load_bundle
+from .recompute import BufferGuard
 from .resolved import ResolvedRun
 
 __all__ = ["stage_step_count", "make_torch_optimizer", "replay_schedule", "train_single_process", "ReplayResult",
-           "SingleResult", "replay_config", "single_config"]
+           "SingleResult", "StageGraph", "replay_config", "single_config"]
 
 
 def make_torch_optimizer(params: Sequence[Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -76,10 +87,107 @@ def _groups(schedule: Schedule, stage: int) -> list[list[int]]:
     return [sorted(groups[k]) for k in sorted(groups)]
 
 
+@dataclass(frozen=True)
+class StageGraph:
+    """The captured graph and the stage of each of its value nodes (``Partition.stage_of``):
+    what :func:`replay_schedule` needs for units whose B version differs from their F's."""
+
+    gm: torch.fx.GraphModule
+    stage_of: Mapping[str, int]
+
+
+class _ValueWithGradPath(torch.autograd.Function):
+    """``forward(b, f) = f`` exactly; the gradient goes to ``b`` (f is a constant)."""
+
+    @staticmethod
+    def forward(ctx: Any, b: Tensor, f: Tensor) -> Tensor:  # type: ignore[override]
+        return f.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:  # type: ignore[override]
+        return grad, None
+
+
+def _crossing(b: Any, f: Any) -> Any:
+    """A value read across a stage boundary: the F pass's value on the B pass's gradient path."""
+    if isinstance(b, Tensor) and isinstance(f, Tensor):
+        return _ValueWithGradPath.apply(b, f) if b.requires_grad else f
+    if isinstance(b, (tuple, list)) and isinstance(f, (tuple, list)):
+        return type(b)(_crossing(x, y) for x, y in zip(b, f))
+    if isinstance(b, dict) and isinstance(f, dict):
+        return {k: _crossing(b[k], f[k]) for k in b}
+    return f
+
+
+def _run_graph(gm: torch.fx.GraphModule, params: Mapping[str, Tensor], flat_inputs: Sequence[Any],
+               read: Callable[[torch.fx.Node, torch.fx.Node, dict[torch.fx.Node, Any]], Any]
+               ) -> tuple[dict[torch.fx.Node, Any], Any]:
+    """Evaluate ``gm`` node by node with ``params`` bound by qualified name; ``read(node, arg,
+    env)`` gives the value of ``arg`` as ``node`` sees it. Returns the values and the output."""
+    env: dict[torch.fx.Node, Any] = {}
+    inputs = iter(flat_inputs)
+    for n in gm.graph.nodes:
+        def arg(m: torch.fx.Node, n: torch.fx.Node = n) -> Any:
+            return read(n, m, env)
+
+        if n.op == "placeholder":
+            env[n] = next(inputs)
+        elif n.op == "get_attr":
+            if n.target in params:
+                env[n] = params[n.target]
+            else:
+                obj: Any = gm
+                for part in str(n.target).split("."):
+                    obj = getattr(obj, part)
+                env[n] = obj
+        elif n.op == "output":
+            return env, torch.fx.node.map_arg(n.args[0], arg)
+        else:
+            args = torch.fx.node.map_arg(n.args, arg)
+            kwargs = torch.fx.node.map_arg(n.kwargs, arg)
+            if n.op == "call_function":
+                env[n] = n.target(*args, **kwargs)  # type: ignore[operator]
+            elif n.op == "call_method":
+                env[n] = getattr(args[0], str(n.target))(*args[1:], **kwargs)
+            else:  # call_module
+                sub = gm.get_submodule(str(n.target))
+                local = {k: params[f"{n.target}.{k}"] for k, _ in sub.named_parameters()
+                         if f"{n.target}.{k}" in params}
+                env[n] = functional_call(sub, local, tuple(args), dict(kwargs))
+    raise ValueError("the captured graph has no output node")
+
+
+def _two_version_loss(graph: StageGraph, loss_fn: Callable[[Any, Any], Tensor], params_f: Mapping[str, Tensor],
+                      params_b: Mapping[str, Tensor], inputs: Sequence[Any], target: Any) -> tuple[Tensor, Tensor]:
+    """``(loss of the F pass, loss whose gradient w.r.t. params_b is the no-stashing gradient)``
+    (module docstring)."""
+    gm, stage_of = graph.gm, graph.stage_of
+    last = max(stage_of.values(), default=0)
+    codegen = gm.graph._codegen
+    flat = codegen.process_inputs(*inputs)
+    with torch.no_grad():
+        f_env, f_out = _run_graph(gm, params_f, flat, lambda n, m, env: env[m])
+        loss_f = loss_fn(codegen.process_outputs(f_out), target)
+
+    def read_b(n: torch.fx.Node, m: torch.fx.Node, env: dict[torch.fx.Node, Any]) -> Any:
+        if m.op in ("placeholder", "get_attr"):
+            return env[m]
+        here = stage_of.get(n.name, last)  # the output node belongs to the last stage
+        return env[m] if stage_of[m.name] == here else _crossing(env[m], f_env[m])
+
+    snap = BufferGuard(gm)  # the B pass is a recompute: buffers as the F pass left them
+    with torch.enable_grad():
+        _, b_out = _run_graph(gm, params_b, flat, read_b)
+        loss_b = loss_fn(codegen.process_outputs(b_out), target)
+    snap.restore_changed()
+    return loss_f, loss_b
+
+
 def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
                     segments: Sequence[tuple[Schedule, UnitData]], param_stage: Mapping[str, int],
                     opt: OptimizerConfig, lr_schedule: LRSchedule | None = None, clip: float | None = None,
-                    global_clip: bool = False, lr_totals: Mapping[int, int] | None = None) -> ReplayResult:
+                    global_clip: bool = False, lr_totals: Mapping[int, int] | None = None,
+                    graph: StageGraph | None = None) -> ReplayResult:
     """Emulate the schedules' weight-version rule in one process (see the module docstring).
 
     Args:
@@ -90,6 +198,8 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
         param_stage: parameter name -> stage owning it.
         opt, lr_schedule: optimizer settings (``torch.optim``, one per stage).
         clip: max gradient norm; global over stages when ``global_clip``, else per stage.
+        graph: the captured graph and its stages; needed only when some B's version differs
+            from its F's (pipedream with ``stashing=False``).
 
     Returns:
         The final weights, each unit's loss (units numbered per segment, offset so that they
@@ -114,10 +224,18 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
     for schedule, data in segments:
         versions = {s: [snapshot(s)] for s in stages}
         fwd: dict[tuple[int, int], int] = {}
+        bwd: dict[tuple[int, int], int] = {}
         for acts in schedule.workers:
             for a in acts:
                 if a.op is Op.F:
                     fwd[(a.stage, a.mb)] = a.version if a.version is not None else 0
+                elif a.op in (Op.B, Op.W) and a.version is not None:
+                    bwd[(a.stage, a.mb)] = a.version
+        for key, v in fwd.items():
+            bwd.setdefault(key, v)
+        if graph is None and any(bwd[k] != fwd[k] for k in fwd):
+            raise ValueError("the schedule's backwards use other versions than their forwards (stashing=False): "
+                             "replay_schedule needs graph=StageGraph(captured.gm, partition.stage_of)")
         groups = {s: _groups(schedule, s) for s in stages}
         group_of = {s: {u: k for k, g in enumerate(groups[s]) for u in g} for s in stages}
         acc: dict[tuple[int, int], dict[str, Tensor]] = {}
@@ -149,17 +267,25 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
         for u in units:
             params: dict[str, Tensor] = {}
             used: dict[int, dict[str, Tensor]] = {}
+            params_b: dict[str, Tensor] = {}
             for s in stages:
-                v = fwd[(s, u)]
-                if v >= len(versions[s]):
-                    raise ValueError(f"unit {u} uses version {v} of stage {s} before it exists in unit order")
-                used[s] = versions[s][v]
-                params.update(used[s])
+                for v in (fwd[(s, u)], bwd[(s, u)]):
+                    if v >= len(versions[s]):
+                        raise ValueError(f"unit {u} uses version {v} of stage {s} before it exists in unit order")
+                params.update(versions[s][fwd[(s, u)]])
+                used[s] = versions[s][bwd[(s, u)]]
+                params_b.update(used[s])
             inputs, target = data.unit(u)
-            with torch.enable_grad():
-                loss = loss_fn(functional_call(model, params, tuple(inputs)), target)
-                leaves = [(s, n, used[s][n]) for s in stages for n in trainable[s]]
-                grads = torch.autograd.grad(loss, [t for _, _, t in leaves], allow_unused=True)
+            leaves = [(s, n, used[s][n]) for s in stages for n in trainable[s]]
+            if any(bwd[(s, u)] != fwd[(s, u)] for s in stages):
+                assert graph is not None
+                loss, loss_b = _two_version_loss(graph, loss_fn, params, params_b, inputs, target)
+                with torch.enable_grad():
+                    grads = torch.autograd.grad(loss_b, [t for _, _, t in leaves], allow_unused=True)
+            else:
+                with torch.enable_grad():
+                    loss = loss_fn(functional_call(model, params, tuple(inputs)), target)
+                    grads = torch.autograd.grad(loss, [t for _, _, t in leaves], allow_unused=True)
             losses[unit_base + u] = float(loss.detach())
             for (s, n, _), g in zip(leaves, grads):
                 k = group_of[s][u]
@@ -254,7 +380,8 @@ def replay_config(run: ResolvedRun) -> ReplayResult:
                                                 cfg.training.seed, offset)))
         offset += seg.steps
     return replay_schedule(bundle.model, bundle.loss_fn, segments, part.param_stage, cfg.optimizer,
-                           cfg.training.lr_schedule, cfg.training.clip_grad_norm, global_clip=cfg.synchronous)
+                           cfg.training.lr_schedule, cfg.training.clip_grad_norm, global_clip=cfg.synchronous,
+                           graph=StageGraph(captured.gm, part.stage_of))
 
 
 def single_config(run: ResolvedRun) -> SingleResult:

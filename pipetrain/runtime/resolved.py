@@ -21,17 +21,30 @@ from ..errors import RuntimeConfigError
 from ..plan.types import Plan
 from ..schedule.action import Schedule
 from .config import TrainConfig
+from .data import DataSpec
 
 __all__ = ["Segment", "ResolvedRun"]
 
 
 @dataclass(frozen=True)
 class Segment:
-    """``steps`` minibatches run as one schedule; ``timed`` segments are measured."""
+    """``steps`` minibatches run as one schedule; ``timed`` segments are measured.
+
+    A run is split into segments at every *boundary step*: the end of the warm-up, every
+    evaluation point, every checkpoint point and the end (:func:`pipetrain.run.resolve.segment_plan`).
+    Each segment is a complete schedule of its steps, so the pipeline drains at every boundary:
+    PipeDream (and 2BW) run 1F1B within a segment and flush between segments, where every
+    stage holds one version (the newest) and evaluation or checkpointing sees one consistent
+    model. The reference replay (:func:`pipetrain.runtime.reference.replay_config`) executes
+    the same segments, so equality with it holds across boundaries. ``evaluate`` /
+    ``checkpoint`` say which hooks run after the segment.
+    """
 
     kind: str                       # "warmup" (untimed, first) | "timed"
     steps: int
     schedule: Schedule | None = field(default=None, repr=False)   # None in one-process runs
+    evaluate: bool = False          # evaluate on the eval split after this segment
+    checkpoint: bool = False        # a checkpoint point after this segment (runtime.checkpointing)
 
     @property
     def timed(self) -> bool:
@@ -55,6 +68,7 @@ class ResolvedRun:
     plan_note: str
     schedule_options: Mapping[str, Any]
     segments: tuple[Segment, ...]
+    data: DataSpec | None = None    # real data (None: the model's synthetic batches)
 
     # -- derived --------------------------------------------------------------------------
     @property
@@ -94,6 +108,11 @@ class ResolvedRun:
     def total_steps(self) -> int:
         return sum(s.steps for s in self.segments)
 
+    @property
+    def timed_segments(self) -> list[Segment]:
+        """The timed segments, in order (one, unless evaluation or checkpoints split the run)."""
+        return [s for s in self.segments if s.timed]
+
     # -- checks ---------------------------------------------------------------------------
     def check(self) -> None:
         """The invariants of the class docstring; a violation is a RuntimeConfigError."""
@@ -105,8 +124,11 @@ class ResolvedRun:
                 f"batch size {b} is not divisible by microbatches {m}: every microbatch must have the same size; "
                 f"use --microbatches {lower} or --batch-size {(b // m + 1) * m}")
         kinds = [s.kind for s in self.segments]
-        want = (["warmup"] if cfg.training.warmup_steps else []) + ["timed"]
-        if kinds != want or self.segments[-1].steps != cfg.training.steps:
+        warm = 1 if cfg.training.warmup_steps else 0
+        timed = [s.steps for s in self.segments if s.timed]
+        if (kinds[:warm] != ["warmup"] * warm or not timed or len(timed) != len(kinds) - warm
+                or sum(timed) != cfg.training.steps
+                or (warm and self.segments[0].steps != cfg.training.warmup_steps)):
             raise RuntimeConfigError(f"segments {kinds} do not match warm-up {cfg.training.warmup_steps} and "
                                      f"steps {cfg.training.steps}")
         if self.in_process:
@@ -135,7 +157,8 @@ class ResolvedRun:
             "microbatches": self.microbatches, "plan_note": self.plan_note,
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "schedule_options": dict(self.schedule_options),
-            "segments": [{"kind": s.kind, "steps": s.steps,
+            "segments": [{"kind": s.kind, "steps": s.steps, "evaluate": s.evaluate, "checkpoint": s.checkpoint,
                           "actions": (sum(len(w) for w in s.schedule.workers) if s.schedule is not None else None)}
                          for s in self.segments],
+            "data": self.data.to_json() if self.data is not None else None,
         }

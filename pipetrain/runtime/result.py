@@ -85,6 +85,30 @@ class RunResult:
     alive_versions: dict[str, int] | None = None
     run: dict[str, Any] = field(default_factory=dict)       # ResolvedRun.to_json()
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+    # -- real data: evaluation through the pipeline and time to a target (runtime/monitor.py) --
+    data: str | None = None                       # --data (None: synthetic batches)
+    eval_accuracy: float | None = None            # the last evaluation's (None: regression / none)
+    eval_loss: float | None = None
+    eval_perplexity: float | None = None          # language models
+    reached: bool | None = None                   # None: no target given
+    time_to_accuracy: float | None = None         # training seconds (evaluation excluded) to the target
+    epochs_to_accuracy: float | None = None
+    steps_to_accuracy: int | None = None
+    epochs: float | None = None                   # epochs trained (fractional when stopped early)
+    target_summary: str | None = None             # one line: reached at ..., or not reached in ...
+    eval_history: list[dict[str, Any]] = field(default_factory=list)   # EvalResult.to_dict() per evaluation
+    time_excludes_eval: bool = True               # seconds, samples/s and times to target count training only
+
+    def add_evaluation(self, summary: dict[str, Any], data: Any) -> None:
+        """Fill the evaluation fields from :meth:`TrainMonitor.summary` (``{}``: none ran)."""
+        self.data = data.name if data is not None else None
+        if not summary:
+            return
+        for key in ("eval_accuracy", "eval_loss", "eval_perplexity", "time_to_accuracy", "epochs_to_accuracy",
+                    "steps_to_accuracy", "epochs", "target_summary", "eval_history"):
+            setattr(self, key, summary.get(key))
+        has_target = summary.get("target_accuracy") is not None or summary.get("target_loss") is not None
+        self.reached = bool(summary.get("reached")) if has_target else None
 
     def to_json(self) -> dict[str, Any]:
         """Every field but ``state``, as JSON-friendly values."""

@@ -30,6 +30,10 @@ def train_one_process(run: ResolvedRun) -> RunResult:
     cfg = run.config
     if not run.in_process:
         raise RuntimeConfigError(f"train_one_process runs one-process runs, not one on {run.world_size} workers")
+    if run.data is not None:  # --data: real data, evaluated at the run's boundaries (single_data.py)
+        from .single_data import train_one_process_data
+
+        return train_one_process_data(run)
     if cfg.performance.threads is not None and cfg.parallel.device == "cpu":
         torch.set_num_threads(cfg.performance.threads)
     if cfg.performance.tune_malloc:

@@ -15,13 +15,21 @@ passing straight from stage 1's input to its output. Stages only talk to neighbo
     stage 1: b -> c             cut 1 carries {c, x}      (x passes through)
     stage 2: c, x -> out
 
-``get_attr`` nodes go with the nodes that read them (copied into every such stage for
-buffers and constants); a *parameter* read by two stages (tied weights) is refused.
+``get_attr`` nodes go with the nodes that read them (copied into every such stage).
 Parameter names inside a stage module are the original model's qualified names, which is
 what checkpoints use.
+
+Tied parameters (one tensor under several names, e.g. GPT-2's token embedding and LM head)
+are listed in :attr:`Partition.tied`. A tensor read by several stages is held by each of them
+as its own copy (:func:`build_stage_modules` gives every holder but the first a clone, so two
+holders in one process never share storage); :mod:`pipetrain.runtime.tied` sums their
+gradients at each STEP. Every name of a tensor maps to its first holder in
+:attr:`Partition.param_stage`, and :attr:`StageModule.aliases` lists the other names of the
+tensors a stage holds, so state dicts keep every name the model has.
 """
 from __future__ import annotations
 
+import copy
 import operator
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -32,6 +40,7 @@ import torch.fx
 from ..errors import RuntimeConfigError
 from ..graph.capture import CapturedModel, is_inplace_node, preserved_state
 from .boundary import BoundaryCodec, ValueCodec
+from .tied import TiedParameter
 
 __all__ = ["Partition", "StageModule", "partition_graph", "build_stage_modules", "boundary_codecs"]
 
@@ -59,7 +68,10 @@ class Partition:
         boundaries: ``boundaries[c]`` are the values crossing cut ``c`` (stage ``c`` -> ``c+1``),
             in graph order (relay included).
         attr_stages: ``get_attr`` node name -> stages that read it.
-        param_stage: parameter qualified name -> the stage owning it.
+        param_stage: parameter qualified name (every name of a tied tensor) -> the stage
+            owning it (the first stage that reads it).
+        tied: tensors held under several names or read by several stages, in the order of
+            their first reader (the same on every rank).
     """
 
     stage_of: dict[str, int]
@@ -67,6 +79,7 @@ class Partition:
     boundaries: list[list[str]]
     attr_stages: dict[str, list[int]]
     param_stage: dict[str, int] = field(default_factory=dict)
+    tied: list[TiedParameter] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -81,8 +94,8 @@ def partition_graph(gm: torch.fx.GraphModule, stage_nodes: Sequence[Sequence[str
     """Assign ``gm``'s nodes to stages and compute the relay boundaries.
 
     Raises:
-        RuntimeConfigError: a name the graph lacks, a node in two stages or in none, a node
-            placed before one of its inputs, or a parameter read by two stages.
+        RuntimeConfigError: a name the graph lacks, a node in two stages or in none, or a node
+            placed before one of its inputs.
     """
     S = len(stage_nodes)
     if S < 1:
@@ -133,39 +146,48 @@ def partition_graph(gm: torch.fx.GraphModule, stage_nodes: Sequence[Sequence[str
             attr_stages[n.name] = st
     part = Partition(stage_of, [[n.name for n in values if stage_of[n.name] == k] for k in range(S)],
                      boundaries, attr_stages)
-    part.param_stage = _owned_parameters(gm, part)
+    part.param_stage, part.tied = _owned_parameters(gm, part)
     return part
 
 
-def _owned_parameters(gm: torch.fx.GraphModule, part: Partition) -> dict[str, int]:
-    """Parameter qualified name -> owning stage; a parameter in two stages is an error."""
-    owner: dict[int, tuple[int, str]] = {}
-    out: dict[str, int] = {}
+def _owned_parameters(gm: torch.fx.GraphModule, part: Partition) -> tuple[dict[str, int], list[TiedParameter]]:
+    """Parameter qualified name -> owning (first reading) stage, and the tied tensors.
 
-    def claim(qualname: str, p: torch.Tensor, k: int, node: str) -> None:
-        prev = owner.get(id(p))
-        if prev is not None and prev[0] != k:
-            raise RuntimeConfigError(
-                f"parameter {prev[1]!r} is read by stage {prev[0]} and by stage {k} (node {node!r}, as "
-                f"{qualname!r}): tied weights cannot be split across stages; untie them (e.g. "
-                f"--option tie_word_embeddings=False, or give each stage its own copy) or put both readers in "
-                f"one stage")
-        owner[id(p)] = (k, prev[1] if prev else qualname)
-        out.setdefault(qualname, k)
+    A tensor's identity is the object: ``named_parameters(remove_duplicate=False)`` lists a
+    tied tensor under each of its names; call_module nodes read their module's parameters,
+    get_attr nodes their target.
+    """
+    names_of: dict[int, list[str]] = {}
+    tensor: dict[int, torch.Tensor] = {}
+    for qn, p in gm.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(p), []).append(qn)
+        tensor[id(p)] = p
+    stages_of: dict[int, set[int]] = {}   # insertion order: the tensors' first readers, graph order
+
+    def claim(p: torch.Tensor, k: int) -> None:
+        stages_of.setdefault(id(p), set()).add(k)
+        tensor.setdefault(id(p), p)
 
     for n in gm.graph.nodes:
         if n.op == "call_module":
-            k = part.stage_of[n.name]
-            for qn, p in gm.get_submodule(str(n.target)).named_parameters(prefix=str(n.target), remove_duplicate=False):
-                claim(qn, p, k, n.name)
+            for _, p in gm.get_submodule(str(n.target)).named_parameters(remove_duplicate=False):
+                claim(p, part.stage_of[n.name])
         elif n.op == "get_attr":
             try:
                 p = gm.get_parameter(str(n.target))
             except AttributeError:
                 continue
             for k in part.attr_stages[n.name]:
-                claim(str(n.target), p, k, n.name)
-    return out
+                claim(p, k)
+    out: dict[str, int] = {}
+    tied: list[TiedParameter] = []
+    for tid, ks in stages_of.items():
+        names = names_of.get(tid, [])
+        for qn in names:
+            out[qn] = min(ks)
+        if len(names) > 1 or len(ks) > 1:
+            tied.append(TiedParameter(tuple(names), tuple(sorted(ks)), bool(tensor[tid].requires_grad)))
+    return out, tied
 
 
 # --------------------------------------------------------------------------- example run
@@ -218,6 +240,9 @@ class StageModule:
     param_names: list[str]
     buffer_names: list[str]
     out_spec: Any = None  # torch.export graphs: pytree spec of the model's output
+    ties: tuple[TiedParameter, ...] = ()       # every tie of the partition (the same on every rank)
+    tie_names: dict[str, str] = field(default_factory=dict)     # tie.names[0] -> this stage's name of it
+    aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a held name -> its other model names
 
     @property
     def is_first(self) -> bool:
@@ -317,6 +342,18 @@ def build_stage_modules(captured: CapturedModel, part: Partition, codecs: Sequen
         graph = _build_graph(gm, part, k)
         mod = torch.fx.GraphModule(gm, graph, class_name=f"Stage{k}")
         mod.train(gm.training)
+        tie_names: dict[str, str] = {}
+        aliases: dict[str, tuple[str, ...]] = {}
+        held = {id(p): n for n, p in mod.named_parameters()}
+        for tie in part.tied:
+            if k not in tie.stages:
+                continue
+            original = gm.get_parameter(tie.names[0])
+            name = held[id(original)]
+            tie_names[tie.names[0]] = name
+            aliases[name] = tuple(n for n in tie.names if n != name)
+            if k != tie.stages[0]:  # every holder but the first gets its own copy
+                _own_copy(mod, gm, original)
         params = [n for n, _ in mod.named_parameters()]
         buffers = [n for n, _ in mod.named_buffers()]
         result[k] = StageModule(
@@ -324,5 +361,30 @@ def build_stage_modules(captured: CapturedModel, part: Partition, codecs: Sequen
             in_codec=codecs[k - 1] if k > 0 else None,
             out_codec=codecs[k] if k < S - 1 else None,
             param_names=params, buffer_names=buffers,
-            out_spec=out_spec if k == S - 1 else None)
+            out_spec=out_spec if k == S - 1 else None,
+            ties=tuple(part.tied), tie_names=tie_names, aliases=aliases)
     return result
+
+
+def _own_copy(mod: torch.fx.GraphModule, gm: torch.fx.GraphModule, original: torch.Tensor) -> None:
+    """Give stage module ``mod`` its own clone of the tied parameter ``original``, under every
+    name ``mod`` holds it by, without touching ``gm`` or other stages: a submodule shared with
+    ``gm`` (a call_module target) is replaced by a shallow copy before its parameter is set."""
+    clone = torch.nn.Parameter(original.detach().clone(), requires_grad=original.requires_grad)
+    names = [n for n, p in mod.named_parameters(remove_duplicate=False) if p is original]
+    for qn in names:
+        *path, leaf = qn.split(".")
+        cur: torch.nn.Module = mod
+        src: torch.nn.Module | None = gm
+        for part_name in path:
+            child = cur._modules[part_name]
+            src_child = src._modules.get(part_name) if src is not None else None
+            if child is not None and child is src_child:  # shared with gm: copy before writing
+                child = copy.copy(child)
+                child._parameters = dict(child._parameters)
+                child._buffers = dict(child._buffers)
+                child._modules = dict(child._modules)
+                cur._modules[part_name] = child
+            assert child is not None
+            cur, src = child, src_child
+        cur._parameters[leaf] = clone

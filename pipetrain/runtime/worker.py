@@ -31,12 +31,17 @@ import torch.distributed as dist
 
 from ..errors import PipetrainError, RuntimeConfigError
 from ..plan.cuts import node_modules, stage_first_nodes
-from ..schedule.action import Op, Schedule
+from ..schedule.action import Schedule
 from ..schedule.events import Event, steady_state_rates, write_chrome_trace
 from .checkpoint import TrainerState, check_resumable, load_checkpoint, save_checkpoint
+from .checkpointing import RankView, restore, save_at_boundary, segments_done
+from .peers import naming_peer, restart_store
+from .numerics import NumericsGuard
 from .comm import Comm
 from .config import TrainConfig, parse_debug_fail
-from .data import UnitData
+from .data import UnitData, stage_part, unit_source
+from .evaluation import evaluate
+from .monitor import TrainMonitor
 from .executor import Executor, StageRuntime
 from .failures import FailureBoard, FailureRecord, connect_board
 from .log import setup_logging
@@ -47,6 +52,7 @@ from .reference import stage_step_count
 from .resolved import ResolvedRun
 from .result import RankReport, RunResult
 from .stage import boundary_codecs, build_stage_modules, partition_graph
+from .tied import TiedSync, alias_state, check_ties
 
 __all__ = ["worker_main", "run_rank", "init_distributed", "tune_malloc", "shutdown_process_group"]
 
@@ -66,6 +72,9 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
         kwargs: dict[str, Any] = {}
         if backend == "nccl":
             kwargs["device_id"] = device
+        restarted = restart_store(cfg.performance.timeout)  # a restarted elastic attempt: its own keys (peers.py)
+        if restarted is not None:
+            kwargs.update(store=restarted[0], rank=restarted[1], world_size=restarted[2])
         dist.init_process_group(backend, timeout=timedelta(seconds=cfg.performance.timeout), **kwargs)
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -162,6 +171,9 @@ class _Setup:
     stage_first_modules: list[str] = field(default_factory=list)   # that node's innermost module
     rss_setup_mib: float | None = None   # RSS once the stages are built (the peak's baseline)
     peak_reset: bool = False             # whether VmHWM was reset after setup
+    resumed_at: int = 0                  # step restored from --checkpoint-dir (0: fresh), see checkpointing.py
+    timed_steps: int = 0                 # timed steps run (fewer than planned when a target stopped the run)
+    monitor: Any = None                  # TrainMonitor: progress, logs, evaluations (runtime/monitor.py)
 
 
 def _run(run: ResolvedRun, rank: int, world: int, device: torch.device) -> RunResult | None:
@@ -207,10 +219,9 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     if rank == 0:  # parameters no node reads: no stage holds them, checkpoints need them
         held = set(part.param_stage) | _buffer_names(captured)
         extras = {k: v.detach().clone() for k, v in bundle.model.state_dict().items() if k not in held}
-    # Linear weight gradients straight into the accumulators (fused.py), unless the
-    # schedule splits backwards into I and W.
-    split_backward = any(a.op in (Op.I, Op.W) for a in schedule.workers[rank])
-    fuse = cfg.performance.fused_grads and not split_backward
+    # Linear weight gradients straight into the accumulators (fused.py); split backwards
+    # (I and W) too: the sink's phase tells the layer which half runs (split_backward.py).
+    fuse = cfg.performance.fused_grads
     stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedule.stage_ranks[k]),
                               device, fuse_linear=fuse) for k in mine}
     first_nodes = stage_first_nodes(run.plan, [n.name for n in captured.graph.nodes if n.is_input])  # type: ignore[arg-type]
@@ -221,6 +232,8 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     setup.stage_first_modules = [first_modules.get(n, "") for n in first_nodes]
     if cfg.checkpoint.resume:
         setup.start_step = _resume(cfg, stages, device)
+    # -- checkpointing hook (H-ckpt-int): resume from the latest complete checkpoint in --checkpoint-dir
+    setup.resumed_at = restore(_ckpt_view(run, setup, rank, device))
     # Peak memory counts the training phase of this rank's own stages, not the building of
     # the whole model (which every rank does): reset the kernel's high-water mark here.
     setup.peak_reset = reset_peak_rss()
@@ -237,43 +250,89 @@ def _train(run: ResolvedRun, setup: _Setup, rank: int,
     clip = cfg.training.clip_grad_norm
     comm = Comm(rank, schedule, setup.codecs, device, cfg.performance.timeout,
                 global_clip=cfg.synchronous and clip is not None)
-    lr_totals = {k: setup.stages[k].optimizer.steps + sum(stage_step_count(s, k) for s in run.schedules)
+    tied = _tied_sync(run, setup, rank, comm)  # [tied] its process groups right after Comm's (runtime/tied.py)
+    # (a --checkpoint-dir resume skips segments already counted in run.schedules: no base steps)
+    lr_totals = {k: (0 if setup.resumed_at else setup.stages[k].optimizer.steps)
+                 + sum(stage_step_count(s, k) for s in run.schedules)
                  for k in mine}
     is_logger = schedule.num_stages - 1 in mine and rank == schedule.stage_ranks[-1][0] and not cfg.output.quiet
 
-    def data(offset: int) -> UnitData:
-        return UnitData(setup.bundle.make_batch, run.batch_size, run.microbatches, cfg.training.seed, offset, device)
+    # Real data (--data): loaded by the ranks whose stages read it (data.unit_source); the
+    # loss follows the targets unless the model brings its own (pipetrain.data.loss_for).
+    source = run.data.load() if run.data is not None and stage_part(schedule, mine) is not None else None
+    loss_fn = setup.bundle.loss_fn
+    if run.data is not None and getattr(setup.bundle, "default_loss", False):
+        from ..data import loss_for
+
+        loss_fn = loss_for(run.data.target_dtype)
+    monitor = setup.monitor = TrainMonitor(run, rank, schedule, setup.start_step)
+
+    def data(offset: int, sched: Schedule = schedule) -> Any:
+        if run.data is None:
+            return UnitData(setup.bundle.make_batch, run.batch_size, run.microbatches, cfg.training.seed, offset,
+                            device)
+        return unit_source(source, run.data, sched, rank, run.batch_size, run.microbatches, offset, device)
 
     debug_fail = cfg.debug.debug_fail
-    executor = Executor(rank, setup.stages, comm, data(setup.start_step), setup.bundle.loss_fn, cfg.optimizer.lr,
+    executor = Executor(rank, setup.stages, comm, data(setup.start_step), loss_fn, cfg.optimizer.lr,
                         cfg.training.lr_schedule, clip=clip, global_clip=cfg.synchronous,
                         lookahead=cfg.performance.lookahead, record=cfg.output.trace is not None,
                         fail_at=parse_debug_fail(debug_fail) if debug_fail else None,
-                        log_every=cfg.output.log_every if is_logger else 0, lr_totals=lr_totals)
+                        log_every=1 if monitor.wants_steps else cfg.output.log_every if is_logger else 0,
+                        lr_totals=lr_totals)
+    executor.tied = tied  # [tied]
+    executor.numerics = NumericsGuard(rank, cfg.checkpoint.checkpoint_dir)  # [numerics] H-ckpt-int
+    if monitor.wants_steps:  # the driving rank: progress bar / lines and --log-dir (runtime/monitor.py)
+        executor.on_step = monitor.on_step
+    eval_loss = None if getattr(setup.bundle, "default_loss", False) else setup.bundle.loss_fn
     step_losses: dict[int, list[float]] = {}
     offset, wall = setup.start_step, 0.0
     needs_data = any(setup.stages[k].stage.is_first or setup.stages[k].stage.is_last for k in mine)
-    for seg in run.segments:
+    skip = segments_done([s.steps for s in run.segments], setup.resumed_at)  # checkpointing hook (H-ckpt-int)
+    for i_seg, seg in enumerate(run.segments):
+        if i_seg < skip:  # done before the checkpoint this run resumed from
+            offset += seg.steps
+            continue
         sched = seg.schedule
         assert sched is not None  # a distributed run has a schedule per segment (ResolvedRun.check)
-        executor.data = data(offset)
+        executor.data = data(offset, sched)
         if needs_data:  # data generation stays out of the timed window
             executor.data.prefetch(seg.steps)
         dist.barrier()
         t0 = time.perf_counter()
+        if seg.timed:  # one timeline over the timed segments, without the time between them
+            if setup.timed_steps == 0:
+                executor.t0, executor.events = t0, []
+                monitor.clock.start()
+            else:
+                executor.t0 = t0 - monitor.clock.elapsed()
+                monitor.clock.resume()
+        with naming_peer(rank, executor, sched.workers[rank]):  # a broken wait names its peer (peers.py)
+            executor.run(sched.workers[rank])
+        with naming_peer(rank, executor, []):
+            comm.finish(cfg.performance.timeout)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            dist.barrier()
         if seg.timed:
-            executor.t0, executor.events = t0, []
-        executor.run(sched.workers[rank])
-        comm.finish(cfg.performance.timeout)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        dist.barrier()
-        if seg.timed:
-            wall = time.perf_counter() - t0
+            monitor.clock.pause()
+            wall = monitor.clock.elapsed()
+            setup.timed_steps += seg.steps
         for u, loss in executor.unit_losses().items():
             step_losses.setdefault(executor.data.step_of(u), []).append(loss)
         executor.losses = {}
         offset += seg.steps
+        stop = False
+        if seg.evaluate:  # drained: every stage holds its newest weights (runtime/evaluation.py)
+            result = evaluate(run, source, schedule, rank, setup.stages, comm, eval_loss, offset,
+                              offset * run.batch_size, wall)
+            stop = monitor.on_eval(result)
+        # checkpointing hook (H-ckpt-int): drained here; the segment's flag (resolve.segment_plan) or a stop says when
+        save_at_boundary(_ckpt_view(run, setup, rank, device), offset,
+                         due=bool(getattr(seg, "checkpoint", False) or stop) if hasattr(seg, "checkpoint") else None)
+        if stop:  # the target is reached: every rank saw the same evaluation and stops here
+            break
+    monitor.close(offset)
     return executor, step_losses, wall, offset
 
 
@@ -285,7 +344,7 @@ def _report(run: ResolvedRun, setup: _Setup, rank: int, executor: Executor, step
     peak = proc_status_mib("VmHWM") if setup.peak_reset else None
     out = RankReport(
         rank=rank, stages=list(stages), losses=step_losses, seconds=wall,
-        steady={k: rate for (_, k), rate in steady_state_rates(executor.events, cfg.training.steps).items()},
+        steady={k: rate for (_, k), rate in steady_state_rates(executor.events, setup.timed_steps).items()},
         peak_versions={k: st.versions.peak for k, st in stages.items()},
         alive_versions={k: st.versions.alive() for k, st in stages.items()},
         bytes_sent=executor.comm.bytes_sent,
@@ -296,7 +355,8 @@ def _report(run: ResolvedRun, setup: _Setup, rank: int, executor: Executor, step
         for k, st in stages.items():
             if run.schedule.stage_ranks[k][0] != rank:
                 continue
-            out.state.update({n: t.detach().to("cpu", copy=True) for n, t in st.versions.latest.items()})
+            out.state.update(alias_state(st.stage, {n: t.detach().to("cpu", copy=True)  # [tied] every name
+                                                    for n, t in st.versions.latest.items()}))
             out.state.update({n: b.detach().to("cpu", copy=True) for n, b in st.stage.module.named_buffers()})
             sd = st.optimizer.state_dict()
             out.optimizer_state.update(sd["state"])
@@ -311,7 +371,7 @@ def _result(run: ResolvedRun, setup: _Setup, gathered: list[RankReport], device:
             end_step: int) -> RunResult:
     """Rank 0: the run's result, and the checkpoint."""
     cfg = run.config
-    steps = cfg.training.steps
+    steps = setup.timed_steps
     merged: dict[int, list[float]] = {}
     for g in gathered:
         for step, ls in g.losses.items():
@@ -341,6 +401,8 @@ def _result(run: ResolvedRun, setup: _Setup, gathered: list[RankReport], device:
         bytes_sent=[g.bytes_sent for g in gathered], stage_nodes=[len(s.nodes) for s in plan.stages],
         stage_first_nodes=setup.stage_first_nodes, stage_first_modules=setup.stage_first_modules,
         run=run.to_json())
+    if setup.monitor is not None:  # evaluations and the target (every rank saw them)
+        result.add_evaluation(setup.monitor.summary(end_step), run.data)
     if cfg.debug.return_state or cfg.checkpoint.save is not None:
         full: dict[str, torch.Tensor] = {}
         opt_state: dict[str, dict[str, Any]] = {}
@@ -362,6 +424,16 @@ def _result(run: ResolvedRun, setup: _Setup, gathered: list[RankReport], device:
             result.state = ordered
             result.alive_versions = {str(k): v for g in gathered for k, v in g.alive_versions.items()}
     return result
+
+
+def _tied_sync(run: ResolvedRun, setup: _Setup, rank: int, comm: Comm) -> TiedSync | None:
+    """[tied] The gradient exchange of parameters tied across stages (runtime/tied.py), or None.
+    Every rank calls it at the same point (it creates process groups)."""
+    local = {k: st.stage for k, st in setup.stages.items()}
+    ties = next(iter(local.values())).ties if local else ()
+    check_ties(ties, run.schedule.stage_ranks, run.config.synchronous, run.config.parallel.schedule)
+    sync = TiedSync(rank, run.schedule.stage_ranks, ties, local, run.config.performance.timeout, comm.traffic)
+    return sync if sync.active else None
 
 
 def _buffer_names(captured: Any) -> set[str]:
@@ -394,6 +466,11 @@ def _resume(cfg: TrainConfig, stages: dict[int, StageRuntime], device: torch.dev
                                                                 for n in st.stage.param_names
                                                                 if n in trainer.optimizer_state}}, device)
     return trainer.step
+
+
+def _ckpt_view(run: ResolvedRun, setup: _Setup, rank: int, device: torch.device) -> RankView:
+    """What checkpoints see of this worker (runtime/checkpointing.py; H-ckpt-int)."""
+    return RankView(run, rank, run.world_size, setup.stages, setup.extras, device)
 
 
 def _write_trace(directory: str, rank: int, events: list[Event], schedule: Schedule,

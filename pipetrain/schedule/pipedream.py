@@ -21,6 +21,13 @@ runs, i.e. the number of that stage's STEPs already in its list; its backward us
 version that includes only minibatches already in the version ``v0`` stage 0 used for ``u``:
 version ``k`` of a stage with ``r_s`` replicas holds minibatches ``0 .. k*r_s-1``, so
 ``k = min(newest, floor(v0 * r_0 / r_s))``.
+
+Without weight stashing (``stashing=False``, PipeDream section 3.3's ablation) a backward
+names the newest version of its stage at the time it runs (the number of STEPs before it in
+the list) instead of its forward's: it computes with the newest weights. The runtime then
+recomputes the stage's forward from the unit's stashed stage input under that version and
+backpropagates through the recomputation (docs/schedules.md); the forward's version is
+unchanged. The last stage, whose backward follows its forward, sees no difference.
 """
 from __future__ import annotations
 
@@ -31,13 +38,21 @@ from .action import Action, Op, Schedule
 from .layout import check_replicas, lcm, one_f_one_b, stage_ranks_of, warmup_depth
 
 
-def build_pipedream(replicas: Sequence[int], steps: int, vertical_sync: bool = False) -> Schedule:
+def build_pipedream(replicas: Sequence[int], steps: int, vertical_sync: bool = False,
+                    stashing: bool = True) -> Schedule:
     """Compute-only PipeDream schedule (F, B, STEP with versions) over ``steps`` minibatches.
 
     Args:
         replicas: replica count per stage, e.g. ``[2, 1, 1]``.
         steps: minibatches to run; a multiple of every stage's replica count.
         vertical_sync: use stage 0's version for every stage (see module docstring).
+        stashing: a B uses its F's (stashed) version; ``False``: the stage's newest version
+            when the B runs (see module docstring).
+
+    Example:
+        >>> s = build_pipedream([1, 1], steps=3, stashing=False)
+        >>> [a.long for a in s.workers[0]]
+        ['0F0v0', '0F1v0', '0B0v0', '0STEP0', '0F2v1', '0B1v1', '0STEP1', '0B2v2', '0STEP2']
     """
     reps = check_replicas(replicas)
     if steps < 1:
@@ -71,10 +86,10 @@ def build_pipedream(replicas: Sequence[int], steps: int, vertical_sync: bool = F
                     fwd_version[(k, u)] = v
                     out.append(Action(k, Op.F, u, version=v))
                 else:
-                    out.append(Action(k, Op.B, u, version=fwd_version[(k, u)]))
+                    out.append(Action(k, Op.B, u, version=fwd_version[(k, u)] if stashing else steps_done))
                     # r == 1: step after every backward; r > 1: step g after this replica's
                     # minibatch of group g = {g*r .. g*r+r-1}.
                     out.append(Action(k, Op.STEP, u // r))
                     steps_done += 1
     return Schedule("pipedream", workers, stage_ranks, microbatches=1, steps=steps,
-                    options={"vertical_sync": bool(vertical_sync)})
+                    options={"vertical_sync": bool(vertical_sync), "stashing": bool(stashing)})

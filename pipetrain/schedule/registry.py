@@ -51,6 +51,13 @@ def _check_vertical_sync(value: Any) -> bool:
     return value
 
 
+def _check_stashing(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ScheduleError(f"option stashing must be True or False (got {value!r}); pass stashing=False for "
+                            f"PipeDream without weight stashing")
+    return value
+
+
 def _check_virtual_stages(value: Any) -> int:
     if not _is_int(value) or int(value) < 1:
         raise ScheduleError(
@@ -62,6 +69,7 @@ def _check_virtual_stages(value: Any) -> int:
 #: option name -> check returning the normalised value (raises ScheduleError).
 _OPTION_CHECKS: dict[str, Callable[[Any], Any]] = {
     "vertical_sync": _check_vertical_sync,
+    "stashing": _check_stashing,
     "virtual_stages": _check_virtual_stages,
 }
 
@@ -245,8 +253,9 @@ class ScheduleSpec:
         return insert_comm(self.builder(list(replicas), microbatches, steps, **opts))
 
 
-def _pipedream(replicas: Sequence[int], microbatches: int, steps: int, vertical_sync: bool = False) -> Schedule:
-    return build_pipedream(replicas, steps, vertical_sync=vertical_sync)
+def _pipedream(replicas: Sequence[int], microbatches: int, steps: int, vertical_sync: bool = False,
+               stashing: bool = True) -> Schedule:
+    return build_pipedream(replicas, steps, vertical_sync=vertical_sync, stashing=stashing)
 
 
 _SYNC_RULE = "every F and B of minibatch t use version t (the step after minibatch t makes t+1)"
@@ -255,9 +264,11 @@ _ONE_F_ONE_B = "one_f_one_b"
 _SPECS: tuple[ScheduleSpec, ...] = (
     ScheduleSpec(
         "pipedream", synchronous=False, unit="minibatch", flushes=False,
-        options=("vertical_sync",), option_defaults=MappingProxyType({"vertical_sync": False}),
+        options=("vertical_sync", "stashing"),
+        option_defaults=MappingProxyType({"vertical_sync": False, "stashing": True}),
         version_rule="F of minibatch u uses its stage's newest version when it runs; B uses the same, stashed "
-                     "(vertical_sync: the version stage 0 used, mapped to each stage)",
+                     "(vertical_sync: the version stage 0 used, mapped to each stage; stashing=False: B uses "
+                     "the stage's newest version when it runs, recomputing the forward under it)",
         summary="PipeDream: asynchronous 1F1B on whole minibatches with weight stashing",
         builder=_pipedream, memory_rule="stash"),
     ScheduleSpec(
@@ -324,8 +335,8 @@ def build_schedule(name: str, replicas: Sequence[int], microbatches: int = 1, st
             For ``dp``, ``[N]``.
         microbatches: units per minibatch (``1`` for ``pipedream``, whose unit is the minibatch).
         steps: minibatches (optimizer steps) the lists cover.
-        options: ``vertical_sync`` (pipedream, default False), ``virtual_stages`` (interleaved,
-            default 2).
+        options: ``vertical_sync`` and ``stashing`` (pipedream, defaults False and True),
+            ``virtual_stages`` (interleaved, default 2).
 
     Example:
         >>> s = build_schedule("flush", [1, 1], microbatches=2)

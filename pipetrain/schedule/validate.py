@@ -8,7 +8,8 @@
 3. Data: the RECV_F of a forward precedes it and its SEND_F follows it; same for RECV_B /
    SEND_B around the backward (or I) on the same rank; every SEND is matched by the RECV of
    the receiving stage, between the right peers (``0SEND_F3>1`` with ``1RECV_F3<0``).
-4. Versions: F and B (I, W) carry a version; B's equals its F's (weight stashing); a
+4. Versions: F and B (I, W) carry a version; B's equals its F's (weight stashing; with the
+   schedule option ``stashing=False``, B's is its stage's newest when it runs instead); a
    version is never used before it exists (at most the number of that stage's STEPs earlier
    in the list); STEPs of a stage are numbered 0, 1, 2...; a replicated stage all-reduces
    right before each step and all its replicas all-reduce the same steps in the same order.
@@ -69,6 +70,7 @@ def check_structure(schedule: Schedule) -> None:
     sends: Counter[TransferKey] = Counter()
     recvs: Counter[TransferKey] = Counter()
     allreduces: dict[int, dict[int, list[int]]] = defaultdict(dict)
+    stashing = bool(schedule.options.get("stashing", True))
     for rank, actions in enumerate(schedule.workers):
         done: set[tuple[int, Op, int]] = set()  # (stage, op, unit) already in this list
         fver: dict[tuple[int, int], int] = {}
@@ -98,7 +100,11 @@ def check_structure(schedule: Schedule) -> None:
                 else:
                     if (k, u) not in fver:
                         raise _fail(f"{where}: {a.op.value} before the forward {k}F{u} on rank {rank}")
-                    if a.version != fver[(k, u)]:
+                    if not stashing:  # PipeDream without stashing: the newest version when it runs
+                        if a.version != nsteps[k]:
+                            raise _fail(f"{where}: uses version {a.version} but stage {k}'s newest is {nsteps[k]} "
+                                        f"(stashing=False: backward uses the newest version)")
+                    elif a.version != fver[(k, u)]:
                         raise _fail(f"{where}: uses version {a.version} but its forward used {fver[(k, u)]} "
                                     f"(weight stashing: backward uses the forward's version)")
                     if a.op in (Op.B, Op.I) and k < S - 1 and (k, Op.RECV_B, u) not in done:

@@ -1,0 +1,371 @@
+"""Periodic, consistent checkpoints of a distributed run, and resuming from them on any layout.
+
+The worker calls two functions (``--checkpoint-dir DIR``):
+
+- :func:`restore` once, after building its stages: every rank loads, from the latest
+  complete checkpoint in ``DIR`` (:func:`~pipetrain.checkpoint.latest_checkpoint`, chosen
+  by rank 0 and broadcast so that all ranks agree), exactly the parameters, buffers and
+  optimizer state of *its* stages, by the model's own names
+  (:func:`~pipetrain.checkpoint.load_for_rank`). The plan, schedule and worker count of the
+  saving run do not matter. It returns the step to continue from (0: a fresh run); the
+  worker skips the segments before it (:func:`segments_done`).
+- :func:`save_at_boundary` after every segment, on every rank: at a boundary the
+  pipeline is **drained to a clean point first** (every unit of the segment has finished its
+  backward and every stage its optimizer steps; no older weight version is in flight), so a
+  checkpoint holds the newest weights only, and resuming from it equals the uninterrupted run
+  *with the same segment boundaries*: for synchronous schedules (a flush every step) the same
+  as any uninterrupted run; for asynchronous ones (pipedream, 2bw) the same as an
+  uninterrupted run that drains at the same steps. It saves when the step is a multiple of
+  ``--checkpoint-every`` or the run's last step.
+
+What a checkpoint holds per rank (:class:`~pipetrain.checkpoint.RankState`): the newest
+weights and buffers of the rank's stages (only the first replica of a stage writes them),
+their optimizer state and step counts, rank 0's parameters that no stage reads, and the
+rank's extras (the torch RNG state, the step). The data position and the learning-rate
+schedule follow from the step (minibatch ``t`` uses seed ``seed + t``; the schedule's
+position is the stage's optimizer steps, restored with the state). RNG states are restored
+only when the layout is unchanged (same world size and stage node lists): under another
+layout a rank's random stream is not the same stream.
+
+Learning-rate position under another layout: each stage continues from the largest step
+count among its parameters' old stages (synchronous schedules: all equal).
+"""
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..checkpoint import (
+    CheckpointError,
+    RankState,
+    check_model,
+    latest_checkpoint,
+    load_for_rank,
+    read_manifest,
+    save_checkpoint_dir,
+)
+from .faults import first_attempt, kill_self
+
+__all__ = ["RankView", "checkpoint_due", "save_at_boundary", "on_boundary", "restore", "segments_done", "manifest_info",
+           "check_boundary", "checkpoint_steps", "cut_at"]
+
+log = logging.getLogger("pipetrain.checkpoint")
+
+
+@dataclass
+class RankView:
+    """What one worker holds, as checkpoints see it.
+
+    Attributes:
+        run: the resolved run (:class:`~pipetrain.runtime.resolved.ResolvedRun`).
+        rank, world: this process's rank and the world size.
+        stages: this rank's stages, ``{stage index: StageRuntime}`` (``versions``,
+            ``optimizer``, ``stage.module``, ``stage.param_names``).
+        extras: rank 0's parameters that no stage reads (saved with the model), else ``{}``.
+        device: where the stages live.
+    """
+
+    run: Any
+    rank: int
+    world: int
+    stages: Mapping[int, Any]
+    extras: Mapping[str, Tensor] = field(default_factory=dict)
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+    @property
+    def cfg(self) -> Any:
+        return self.run.config
+
+    def first_replica(self, k: int) -> bool:
+        """Whether this rank is the first replica of stage ``k`` (the one that writes it)."""
+        return int(self.run.schedule.stage_ranks[k][0]) == self.rank
+
+
+# --------------------------------------------------------------------------- when
+
+
+def checkpoint_due(every: int | None, step: int, total: int) -> bool:
+    """Whether a boundary at ``step`` (minibatches done) is a checkpoint: a multiple of
+    ``every`` or the run's last step (``total``)."""
+    return step > 0 and (step == total or (every is not None and step % every == 0))
+
+
+def checkpoint_steps(run: Any) -> list[int]:
+    """The segment ends of ``run`` at which a checkpoint is written (the boundaries it can resume at)."""
+    cfg = run.config
+    out, at = [], 0
+    for seg in run.segments:
+        at += seg.steps
+        if checkpoint_due(cfg.checkpoint.checkpoint_every, at, run.total_steps):
+            out.append(at)
+    return out
+
+
+def segments_done(segment_steps: Sequence[int], resumed: int) -> int:
+    """How many leading segments a run resumed at step ``resumed`` skips.
+
+    ``resumed`` must be a segment boundary (0, or the end of a segment); otherwise the
+    checkpoint cannot be continued by these segments (a CheckpointError says which steps can).
+    """
+    at = 0
+    for i, n in enumerate(segment_steps):
+        if at == resumed:
+            return i
+        if at > resumed:
+            break
+        at += n
+    if at == resumed:
+        return len(segment_steps)
+    if resumed > at:
+        raise CheckpointError(
+            f"the checkpoint to resume is at step {resumed}, past this run's last step {at}: that run went further; "
+            f"pass more --steps to continue it, or another --checkpoint-dir to start afresh")
+    ends = [sum(segment_steps[:i + 1]) for i in range(len(segment_steps))]
+    raise CheckpointError(
+        f"the checkpoint to resume is at step {resumed}, which is not a segment boundary of this run (boundaries: "
+        f"{', '.join(map(str, ends))}); resume with --warmup-steps/--checkpoint-every placing a boundary at step "
+        f"{resumed}, or with another --checkpoint-dir")
+
+
+def check_boundary(run: Any, root: str | Path) -> int:
+    """Launcher side, before workers start: the step of the latest checkpoint in ``root``
+    (0: none), checked to be of this model and optimizer and a boundary of ``run``
+    (:func:`segments_done`; :func:`cut_at` makes it one first)."""
+    path = latest_checkpoint(root)
+    if path is None:
+        return 0
+    man = read_manifest(path)
+    cfg = run.config
+    check_model(man, cfg.model.name, dict(cfg.model.options))
+    _check_optimizer(man, cfg)
+    segments_done([s.steps for s in run.segments], man.step)
+    return man.step
+
+
+def cut_at(run: Any, step: int) -> Any:
+    """``run`` with a segment boundary at ``step`` (the step a checkpoint of another run, e.g.
+    under another layout or ``--checkpoint-every``, was saved at), so that it can resume there.
+
+    The segment holding ``step`` is split into two of the same kind, each with its own
+    schedule (built as :func:`pipetrain.run.resolve.resolve_run` builds them); the first part
+    neither evaluates nor checkpoints. A step outside the run, or already a boundary, returns
+    ``run`` unchanged. Raises CheckpointError when the schedule cannot stop there (pipedream
+    steps a stage with r replicas once per r minibatches).
+    """
+    import dataclasses
+
+    at = 0
+    segs = list(run.segments)
+    for i, seg in enumerate(segs):
+        if at < step < at + seg.steps:
+            first, rest = step - at, at + seg.steps - step
+            if run.plan is None:
+                return run
+            try:
+                a = run.spec.build(run.plan.replicas, run.microbatches, first, **dict(run.schedule_options))
+                b = run.spec.build(run.plan.replicas, run.microbatches, rest, **dict(run.schedule_options))
+            except Exception as e:  # noqa: BLE001 - the builder's own message, as one line
+                raise CheckpointError(
+                    f"the checkpoint to resume is at step {step}, where the {run.config.parallel.schedule} schedule of "
+                    f"this run cannot stop ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); resume "
+                    f"with a plan or schedule that can, or with another --checkpoint-dir") from None
+            extra = {}
+            if hasattr(seg, "evaluate"):
+                extra["evaluate"] = False
+            if hasattr(seg, "checkpoint"):
+                extra["checkpoint"] = False
+            segs[i:i + 1] = [dataclasses.replace(seg, steps=first, schedule=a, **extra),
+                             dataclasses.replace(seg, steps=rest, schedule=b)]
+            out = dataclasses.replace(run, segments=tuple(segs))
+            out.check()
+            return out
+        at += seg.steps
+    return run
+
+
+# --------------------------------------------------------------------------- saving
+
+
+def manifest_info(run: Any, step: int) -> dict[str, Any]:
+    """The run description stored in the manifest (JSON): what produced the checkpoint."""
+    cfg = run.config
+    plan = run.plan
+    return {
+        "model": cfg.model.name, "model_options": dict(cfg.model.options),
+        "optimizer": cfg.to_dict()["optimizer"], "schedule": cfg.parallel.schedule,
+        "schedule_options": dict(run.schedule_options),
+        "plan": {"config": plan.config, "stages": [list(s.nodes) for s in plan.stages]} if plan is not None else None,
+        "world_size": run.world_size, "batch_size": run.batch_size, "microbatches": run.microbatches,
+        "seed": cfg.training.seed, "lr_schedule": cfg.to_dict()["training"]["lr_schedule"],
+        "step": step, "data_offset": step, "total_steps": run.total_steps, "drained": True,
+    }
+
+
+def rank_state(view: RankView, step: int) -> RankState:
+    """This rank's :class:`RankState` at a drained boundary (no stashed versions)."""
+    model: dict[str, Tensor] = {}
+    optimizer: dict[str, dict[str, Any]] = {}
+    stage_steps: dict[str, int] = {}
+    for k, st in view.stages.items():
+        if not view.first_replica(k):
+            continue  # replicas hold identical values: the first one writes them
+        model.update({n: t.detach() for n, t in st.versions.latest.items()})
+        model.update({n: b.detach() for n, b in st.stage.module.named_buffers()})
+        sd = st.optimizer.state_dict()
+        optimizer.update(sd["state"])
+        stage_steps.update({n: int(sd["steps"]) for n in st.stage.param_names})
+    for n, t in view.extras.items():
+        model.setdefault(n, t.detach())
+    extras: dict[str, Any] = {"torch_rng": torch.get_rng_state(), "step": step}
+    if view.device.type == "cuda":
+        extras["cuda_rng"] = torch.cuda.get_rng_state(view.device)
+    return RankState(model=model, stashed={}, optimizer=optimizer, stage_steps=stage_steps, extras=extras)
+
+
+#: (checkpoint dir, step) of the last checkpoint this process wrote: a boundary reported twice
+#: (by the worker's loop and by a boundary hook) is saved once.
+_last_saved: list[tuple[str, int]] = []
+
+
+def save_at_boundary(view: RankView, step: int, due: bool | None = None) -> Path | None:
+    """At a drained segment boundary ``step`` (minibatches done): write a checkpoint if due.
+
+    A collective over the world (every rank calls it at every boundary, the same way).
+    ``due``: whether this boundary checkpoints (the segment's ``checkpoint`` flag, or the
+    run's end); ``None``: :func:`checkpoint_due`. Returns the checkpoint's path, or ``None``.
+    """
+    cfg = view.cfg
+    ck = cfg.checkpoint
+    if ck.checkpoint_dir is None:
+        return None
+    if due is None:
+        due = checkpoint_due(ck.checkpoint_every, step, view.run.total_steps)
+    key = (str(ck.checkpoint_dir), step)
+    if not due or key in _last_saved:
+        return None
+    _maybe_kill_in_save(cfg, view.rank, step)
+    path = save_checkpoint_dir(ck.checkpoint_dir, step, rank_state=rank_state(view, step),
+                               manifest_info=manifest_info(view.run, step), keep=ck.keep)
+    _last_saved[:] = [key]
+    if view.rank == 0:
+        log.info("checkpoint of step %d written to %s", step, path)
+    return path
+
+
+def on_boundary(ctx: Any) -> None:
+    """The boundary hook (:class:`pipetrain.runtime.evaluation.BoundaryContext`): every rank,
+    after every segment, with the pipeline drained. Saves when the segment is a checkpoint
+    point (its ``checkpoint`` flag, else :func:`checkpoint_due`) or the run ends here."""
+    run = ctx.run
+    seg = run.segments[ctx.segment]
+    flag = getattr(seg, "checkpoint", None)
+    due = checkpoint_due(run.config.checkpoint.checkpoint_every, ctx.step, run.total_steps) if flag is None else flag
+    device = getattr(getattr(ctx, "comm", None), "device", torch.device("cpu"))
+    view = RankView(run, ctx.rank, run.world_size, ctx.stages, dict(ctx.extras or {}), device)
+    save_at_boundary(view, ctx.step, due=bool(due or ctx.final))
+
+
+def _maybe_kill_in_save(cfg: Any, rank: int, step: int) -> None:
+    """``--debug-fail RANK:STEP:kill-save``: RANK dies inside the write of the checkpoint at
+    ``step >= STEP`` (first attempt only). Rank 0 dies after every rank's tensor files and
+    DCP's metadata are on disk but before the manifest (the checkpoint stays a ``.tmp``
+    directory); another rank dies as the write begins (rank 0 has created the ``.tmp``)."""
+    spec = cfg.debug.debug_fail
+    if spec is None:
+        return
+    from .config import parse_debug_fail
+
+    r, s, mode = parse_debug_fail(spec)
+    if mode != "kill-save" or r != rank or step < s or not first_attempt():
+        return
+    if rank != 0:
+        kill_self()
+    from ..checkpoint import store
+
+    def die(*_: Any, **__: Any) -> None:
+        kill_self()
+
+    store.write_manifest = die  # type: ignore[assignment]  # this process dies in this save
+
+
+# --------------------------------------------------------------------------- resuming
+
+
+def _check_optimizer(man: Any, cfg: Any) -> None:
+    saved = (man.info.get("optimizer") or {}).get("name")
+    if saved is not None and saved != cfg.optimizer.name:
+        raise CheckpointError(
+            f"checkpoint {str(man.path)!r} was trained with optimizer {saved}, not {cfg.optimizer.name}; resume with "
+            f"--optimizer {saved} or another --checkpoint-dir")
+
+
+def _same_layout(man: Any, view: RankView) -> bool:
+    plan = view.run.plan
+    saved = man.info.get("plan") or {}
+    return (man.world_size == view.world and plan is not None
+            and saved.get("stages") == [list(s.nodes) for s in plan.stages]
+            and man.info.get("schedule") == view.cfg.parallel.schedule)
+
+
+def _pick(root: str | Path, world: int) -> str | None:
+    """Rank 0's choice of checkpoint, broadcast: every rank resumes from the same one."""
+    box: list[Any] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        path = latest_checkpoint(root)
+        box[0] = str(path) if path is not None else None
+    if dist.is_initialized() and world > 1:
+        dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+@torch.no_grad()
+def restore(view: RankView) -> int:
+    """Load this rank's part of the latest complete checkpoint in ``--checkpoint-dir``.
+
+    A collective (rank 0 picks the checkpoint). Returns its step (0: nothing to resume).
+    Raises :class:`CheckpointError` (one line) for a checkpoint of another model or optimizer,
+    or a damaged one.
+    """
+    cfg = view.cfg
+    root = cfg.checkpoint.checkpoint_dir
+    if root is None:
+        return 0
+    picked = _pick(root, view.world)
+    if picked is None:
+        return 0
+    man = read_manifest(picked)
+    check_model(man, cfg.model.name, dict(cfg.model.options))
+    _check_optimizer(man, cfg)
+    wanted: dict[str, tuple[int, ...]] = {}
+    for st in view.stages.values():
+        wanted.update({n: tuple(t.shape) for n, t in st.versions.latest.items()})
+        wanted.update({n: tuple(b.shape) for n, b in st.stage.module.named_buffers()})
+    same = _same_layout(man, view)
+    part = load_for_rank(picked, wanted, rank=view.rank if same else None, device=view.device)
+    for st in view.stages.values():
+        names = list(st.stage.param_names)
+        st.versions.load({n: part.model[n] for n in names})
+        for n, b in st.stage.module.named_buffers():
+            b.copy_(part.model[n].to(b.device))
+        steps = max([part.stage_steps.get(n, 0) for n in names] + [0])
+        st.optimizer.load_state_dict({"steps": steps, "state": {n: part.optimizer[n] for n in names
+                                                                if n in part.optimizer}}, view.device)
+    rng = part.extras.get("torch_rng")
+    if same and isinstance(rng, Tensor):
+        torch.set_rng_state(rng.to("cpu", torch.uint8))
+        cuda_rng = part.extras.get("cuda_rng")
+        if isinstance(cuda_rng, Tensor) and view.device.type == "cuda":
+            torch.cuda.set_rng_state(cuda_rng.to("cpu", torch.uint8), view.device)
+    if view.rank == 0:
+        saved_plan = (man.info.get("plan") or {}).get("config")
+        how = "the same layout" if same else (f"another layout (saved by {man.world_size} workers, "
+                                              f"{man.info.get('schedule')}, plan {saved_plan})")
+        log.info("resuming from %s (step %d, %s)", picked, man.step, how)
+    return int(man.step)

@@ -1,0 +1,61 @@
+"""Non-finite values (runtime/numerics.py): a NaN/Inf loss or gradient stops the run with the
+minibatch, stage and where it appeared, and the last good checkpoint is kept and named."""
+from __future__ import annotations
+
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from restart_cases import cfg, wait_no_children
+
+from pipetrain.checkpoint import latest_checkpoint, read_manifest
+from pipetrain.run import train
+from pipetrain.runtime import OptimizerConfig, WorkerFailure
+from pipetrain.runtime.numerics import NonFiniteError, NumericsGuard, first_nonfinite
+
+
+def _fake(last: bool, losses: dict[int, torch.Tensor]) -> tuple[Any, Any, Any]:
+    data = SimpleNamespace(step_offset=10, step_of=lambda u: 10 + u // 2)
+    executor = SimpleNamespace(data=data, losses=losses)
+    st = SimpleNamespace(stage=SimpleNamespace(is_last=last), index=1 if last else 0)
+    return executor, st, SimpleNamespace(mb=1)
+
+
+def test_first_nonfinite_names_the_tensor() -> None:
+    assert first_nonfinite({"a": torch.ones(2), "b": None}) is None
+    name, value = first_nonfinite({"a": torch.ones(2), "net.3.weight": torch.tensor([1.0, float("inf")])})  # type: ignore[misc]
+    assert name == "net.3.weight" and value == float("inf")
+
+
+def test_nonfinite_loss_names_minibatch_stage_and_unit(tmp_path: Path) -> None:
+    guard = NumericsGuard(rank=3, checkpoint_dir=str(tmp_path))
+    executor, st, a = _fake(True, {0: torch.tensor(1.0), 3: torch.tensor(float("nan"))})
+    with pytest.raises(NonFiniteError, match=r"non-finite loss at minibatch 11 on stage 1 \(rank 3\): the loss of unit "
+                                             r"3 is nan; the step was not applied and .* holds no complete checkpoint"):
+        guard.check_step(executor, st, a, {"w": torch.ones(2)})
+
+
+def test_nonfinite_gradient_names_the_parameter() -> None:
+    guard = NumericsGuard(rank=0)
+    executor, st, a = _fake(False, {})
+    guard.check_step(executor, st, a, {"net.0.weight": torch.ones(2)})  # finite: nothing
+    with pytest.raises(NonFiniteError, match=r"non-finite gradient at minibatch 11 on stage 0 \(rank 0\): parameter "
+                                             r"'net.2.bias' \(node 'net.2'\) has gradient value nan") as e:
+        guard.check_step(executor, st, a, {"net.0.weight": torch.ones(2), "net.2.bias": torch.tensor([float("nan")])})
+    assert e.value.step == 11 and e.value.stage == 0 and e.value.where.startswith("parameter 'net.2.bias'")
+
+
+@pytest.mark.timeout(300)
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    huge = OptimizerConfig("sgd", lr=1e6)  # diverges to inf/nan within a few steps
+    with pytest.raises(WorkerFailure, match=r"NonFiniteError: non-finite (loss|gradient) at minibatch \d+ on stage \d "
+                                            r"\(rank \d\): .*the last good checkpoint is .*step_\d+") as e:
+        train(cfg("flush", 2, "1-1", steps=12, optimizer=huge, checkpoint_dir=str(ck), checkpoint_every=1))
+    assert wait_no_children() == []
+    step = int(str(e.value).split("at minibatch ")[1].split()[0])
+    last = latest_checkpoint(ck)
+    assert last is not None and read_manifest(last).step == step  # the checkpoint right before the bad minibatch
+    assert str(last) in str(e.value)
