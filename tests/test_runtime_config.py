@@ -12,6 +12,7 @@ import pytest
 from pipetrain.cli.train_cmd import add_config_arguments, config_from_args
 from pipetrain.errors import RuntimeConfigError
 from pipetrain.runtime.config import SECTIONS, LRSchedule, OptimizerConfig, TrainConfig, settings
+from pipetrain.schedule import get_schedule
 
 pytestmark = pytest.mark.timeout(60)
 RUNTIME = Path(__file__).resolve().parents[1] / "pipetrain" / "runtime"
@@ -99,8 +100,12 @@ def test_sections_validate(kw: dict[str, object], message: str) -> None:
 def test_schedule_options_come_from_the_spec() -> None:
     assert TrainConfig.of(schedule="interleaved").parallel.schedule_options == {"virtual_stages": 2}
     assert TrainConfig.of(schedule="interleaved", virtual_stages=3).parallel.schedule_options == {"virtual_stages": 3}
-    assert TrainConfig.of(schedule="pipedream", vertical_sync=True).parallel.schedule_options == {"vertical_sync": True}
-    assert TrainConfig.of(schedule="flush").parallel.schedule_options == {}
+    # the defaults come from the spec (whatever options it has); the given value overrides its own
+    pipedream = get_schedule("pipedream")
+    got = TrainConfig.of(schedule="pipedream", vertical_sync=True).parallel.schedule_options
+    assert got == {**pipedream.option_defaults, "vertical_sync": True} and set(got) == set(pipedream.options)
+    assert TrainConfig.of(schedule="pipedream").parallel.schedule_options["vertical_sync"] is False
+    assert TrainConfig.of(schedule="flush").parallel.schedule_options == dict(get_schedule("flush").option_defaults) == {}
     assert TrainConfig.of(schedule="2bw").synchronous is False and TrainConfig.of(schedule="dp").synchronous
 
 

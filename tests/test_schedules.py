@@ -395,8 +395,9 @@ def test_check_microbatches_accepts() -> None:
 
 
 def test_options_defaults_and_checks() -> None:
-    assert get_schedule("pipedream").check_options({}) == {"vertical_sync": False}
-    assert get_schedule("pipedream").check_options({"vertical_sync": True}) == {"vertical_sync": True}
+    assert get_schedule("pipedream").check_options({}) == {"vertical_sync": False, "stashing": True}
+    assert get_schedule("pipedream").check_options({"vertical_sync": True}) == {"vertical_sync": True,
+                                                                                "stashing": True}
     assert get_schedule("interleaved").check_options({}) == {"virtual_stages": 2}
     assert get_schedule("interleaved").check_options({"virtual_stages": 3}) == {"virtual_stages": 3}
     assert get_schedule("flush").check_options({"virtual_stages": None, "vertical_sync": None}) == {}
