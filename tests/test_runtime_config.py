@@ -11,7 +11,8 @@ import pytest
 
 from pipetrain.cli.train_cmd import add_config_arguments, config_from_args
 from pipetrain.errors import RuntimeConfigError
-from pipetrain.runtime.config import SECTIONS, LRSchedule, OptimizerConfig, TrainConfig, settings
+from pipetrain.runtime.config import (DEBUG_FAIL_MODES, SECTIONS, LRSchedule, OptimizerConfig, TrainConfig,
+                                      parse_debug_fail, settings)
 from pipetrain.schedule import get_schedule
 
 pytestmark = pytest.mark.timeout(60)
@@ -89,12 +90,20 @@ def test_flat_keys_and_replace() -> None:
     (dict(steps=0), r"--steps must be an integer >= 1, got 0"),
     (dict(timeout=0.0), r"timeout must be > 0 seconds"),
     (dict(log_every=-1), r"--log-every must be an integer >= 0"),
-    (dict(debug_fail="x"), r"--debug-fail takes RANK:STEP\[:hang\]"),
+    (dict(debug_fail="x"), r"--debug-fail takes RANK:STEP\[:hang\] \(or :raise, :kill, :kill-save\), got 'x'"),
+    (dict(debug_fail="1:2:boom"), r"--debug-fail takes RANK:STEP\[:hang\] \(or :raise, :kill, :kill-save\)"),
     (dict(virtual_stages=0, schedule="interleaved"), r"--virtual-stages must be an integer >= 1, got 0"),
 ])
 def test_sections_validate(kw: dict[str, object], message: str) -> None:
     with pytest.raises(RuntimeConfigError, match=message):
         TrainConfig.of(**kw)
+
+
+def test_debug_fail_modes() -> None:
+    assert [parse_debug_fail(f"1:3:{m}") for m in DEBUG_FAIL_MODES] == [(1, 3, m) for m in DEBUG_FAIL_MODES]
+    assert parse_debug_fail("0:2") == (0, 2, "raise")
+    assert {"kill", "kill-save"} <= set(DEBUG_FAIL_MODES)
+    assert TrainConfig.of(debug_fail="1:2:kill-save").debug.debug_fail == "1:2:kill-save"
 
 
 def test_schedule_options_come_from_the_spec() -> None:

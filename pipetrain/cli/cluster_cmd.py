@@ -93,6 +93,11 @@ def run_cmd(a: argparse.Namespace) -> int:
     if not args:
         raise ClusterError("pipetrain cluster run needs the command to run after --, e.g. "
                            "`pipetrain cluster run --hosts 2 -- train --model mlp --config 1-1`")
+    if args[0] == "compare" and not a.cluster:
+        # compare runs here and trains each configuration across the hosts (one torchrun per run)
+        from ..run.on_cluster import run_on_cluster
+
+        return run_on_cluster(args, a.hosts, a.bandwidth, nproc_per_node=a.nproc_per_node, timeout=a.timeout)
     try:
         cluster = (EmulatedCluster.attach(a.cluster) if a.cluster
                    else EmulatedCluster(a.hosts, a.bandwidth)).up()

@@ -36,6 +36,10 @@ Conventions (the runtime and the prediction both follow them):
   (``ring(gradient bytes)``), the count element as ``control`` (``ring(element size)``).
   So ``allreduce`` is exactly the planner's quantity (the stage's parameter bytes).
 - Messages: one per transfer action carrying bytes, one per collective call.
+- A parameter tied across stages (:class:`TiedBuffer`; ``runtime/tied.py``): every stage
+  that reads it holds a copy, and at each ``STEP`` of such a stage its gradient is summed over
+  every rank of every holding stage, one call of its own bytes per tie, as ``allreduce``
+  (no count element: the collective carries the gradient only).
 - Bytes per sample (:func:`bytes_per_sample`): the bytes *sent* over all workers, by kind,
   divided by the samples the counted actions trained (units x samples per unit).
 
@@ -62,7 +66,7 @@ if TYPE_CHECKING:
     from .types import Plan, Stage
 
 __all__ = [
-    "KINDS", "Traffic", "CutBytes", "ReduceBuffer", "ring_allreduce_bytes", "predict_traffic", "bytes_per_sample",
+    "KINDS", "Traffic", "CutBytes", "ReduceBuffer", "TiedBuffer", "ring_allreduce_bytes", "predict_traffic", "bytes_per_sample",
     "total_traffic", "traffic_report", "schedule_units", "plan_cut_bytes", "plan_stage_param_bytes", "plan_traffic",
 ]
 
@@ -209,6 +213,20 @@ class ReduceBuffer:
     count_bytes: float = FLOAT32_BYTES
 
 
+@dataclass(frozen=True)
+class TiedBuffer:
+    """A trainable tensor tied across stages (``runtime/tied.py``): its gradient is summed over
+    the ranks of every stage in ``stages`` at each ``STEP`` of each of them.
+
+    Attributes:
+        nbytes: the tensor's bytes (``numel * element_size``; the gradient has its dtype).
+        stages: the stages holding a copy, ascending (two or more; one stage: no exchange).
+    """
+
+    nbytes: float
+    stages: tuple[int, ...]
+
+
 def _buffers(entry: float | Sequence[ReduceBuffer]) -> list[ReduceBuffer]:
     """A stage's all-reduce buffers: a number ``n`` is one float32 buffer (none if ``n == 0``)."""
     if isinstance(entry, (int, float)):
@@ -223,7 +241,8 @@ def _buffers(entry: float | Sequence[ReduceBuffer]) -> list[ReduceBuffer]:
 
 
 def _check_sizes(schedule: Schedule, cut_bytes: Sequence[CutBytes],
-                 stage_param_bytes: Sequence[float | Sequence[ReduceBuffer]]) -> None:
+                 stage_param_bytes: Sequence[float | Sequence[ReduceBuffer]],
+                 tied: Sequence[TiedBuffer] = ()) -> None:
     if not isinstance(schedule, Schedule):
         raise PlanError(f"predict_traffic needs a Schedule, got {type(schedule).__name__}; build one with "
                         f"build_schedule('flush', [1, 1], 4, steps=2)")
@@ -237,11 +256,15 @@ def _check_sizes(schedule: Schedule, cut_bytes: Sequence[CutBytes],
     for c in cut_bytes:
         if not (c.activation >= 0 and c.gradient >= 0):
             raise PlanError(f"cut sizes must be >= 0 bytes, got {c}; fix the sizes")
+    for t in tied:
+        if not (t.nbytes >= 0 and all(isinstance(k, int) and 0 <= k < S for k in t.stages)):
+            raise PlanError(f"a tied buffer needs bytes >= 0 and stages in 0..{S - 1}, got {t}; pass the tensor's "
+                            f"bytes and the stages that hold it")
 
 
 def predict_traffic(schedule: Schedule, cut_bytes: Sequence[CutBytes],
                     stage_param_bytes: Sequence[float | Sequence[ReduceBuffer]], *,
-                    global_clip: bool = False) -> dict[int, Traffic]:
+                    global_clip: bool = False, tied: Sequence[TiedBuffer] = ()) -> dict[int, Traffic]:
     """The traffic of every rank of ``schedule``, from its actions (module docstring conventions).
 
     Args:
@@ -252,16 +275,26 @@ def predict_traffic(schedule: Schedule, cut_bytes: Sequence[CutBytes],
             list of its :class:`ReduceBuffer` (one per parameter dtype).
         global_clip: synchronous global gradient clipping: every rank sums an 8-byte norm over
             all ranks once per step index it steps.
+        tied: tensors tied across stages (:class:`TiedBuffer`): at each ``STEP`` of a holding
+            stage, one ``allreduce`` call of ``nbytes`` over the ranks of all holding stages.
 
     Returns:
         rank -> :class:`Traffic`, every rank present.
 
     Each ``kSEND_Fu>q`` moves ``cut_bytes[k].activation`` (``kRECV_Fu<p``: ``cut_bytes[k-1]``),
     each ``kSEND_Bu>p`` ``cut_bytes[k-1].gradient`` (``kRECV_Bu<q``: ``cut_bytes[k].gradient``),
-    each ``kALLREDUCEs`` every buffer of stage ``k`` over ``len(stage_ranks[k])`` ranks.
+    each ``kALLREDUCEs`` every buffer of stage ``k`` over ``len(stage_ranks[k])`` ranks, each
+    ``kSTEPs`` every tie stage ``k`` holds over the ranks of its holding stages.
     """
-    _check_sizes(schedule, cut_bytes, stage_param_bytes)
+    _check_sizes(schedule, cut_bytes, stage_param_bytes, tied)
     buffers = [_buffers(e) for e in stage_param_bytes]
+    # stage -> (bytes, ranks of the tie's group) of every tie it holds (runtime/tied.py's groups)
+    ties: dict[int, list[tuple[float, int]]] = {}
+    for tb in tied:
+        if len(set(tb.stages)) > 1:
+            group = len({r for k in tb.stages for r in schedule.stage_ranks[k]})
+            for k in sorted(set(tb.stages)):
+                ties.setdefault(k, []).append((tb.nbytes, group))
     world = schedule.num_workers
     out: dict[int, Traffic] = {}
     for rank, actions in enumerate(schedule.workers):
@@ -286,6 +319,8 @@ def predict_traffic(schedule: Schedule, cut_bytes: Sequence[CutBytes],
                     t.count_collective("control", b.count_bytes, r, calls=0)  # same call as the gradients
             elif a.op is Op.STEP:
                 step_indices.add(a.mb)
+                for nbytes, group in ties.get(a.stage, []):
+                    t.count_collective("allreduce", nbytes, group)
         if global_clip and world > 1:
             for _ in step_indices:
                 t.count_collective("control", CLIP_NORM_BYTES, world)

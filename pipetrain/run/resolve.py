@@ -9,7 +9,10 @@ schedule's :class:`~pipetrain.schedule.ScheduleSpec` wherever the schedule matte
 3. the model (built from the seed) and its capture;
 4. the plan: ``--plan`` loaded, ``--cut`` / ``--config`` / the schedule's own layout cut by
    :mod:`pipetrain.plan.cuts`, or the planner's from a quick profile (:mod:`pipetrain.plan.quick`);
-   checked against the captured graph (every node in one stage, stages in graph order);
+   checked against the captured graph (every node in one stage, stages in graph order), and
+   its ties across stages against the schedule (:func:`pipetrain.runtime.tied.check_ties`:
+   asynchronous schedules and two tied stages on one rank are refused here, before any
+   worker starts);
 5. the complete schedule of every segment: the warm-up, then the timed steps split at every
    boundary step (evaluations, checkpoints, the end: :func:`segment_plan`).
 
@@ -355,6 +358,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     """:func:`resolve_run`, also returning the model bundle it built (for cheap checks)."""
     from ..graph.capture import capture
     from ..runtime.stage import partition_graph
+    from ..runtime.tied import check_ties
 
     cfg, source = resolve_data(cfg)
     par, spec = cfg.parallel, cfg.spec
@@ -394,7 +398,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
         raise RuntimeConfigError(
             f"the plan ({plan.config}) needs {need} workers but the run has {workers}; pass --workers {need} or "
             f"another plan")
-    partition_graph(captured.gm, [list(s.nodes) for s in plan.stages])  # the plan fits the captured graph
+    part = partition_graph(captured.gm, [list(s.nodes) for s in plan.stages])  # the plan fits the captured graph
     data = _data_spec(cfg, source, batch, batch // m)
     cfg, counts = _boundaries(cfg, data, _period(cfg, plan.replicas))
     built: dict[int, Any] = {}  # one schedule per segment length, shared by the segments of that length
@@ -402,6 +406,8 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
         if n not in built:
             built[n] = spec.build(plan.replicas, m, n, **options)
     segments = tuple(Segment(kind, n, built[n], ev, ck) for kind, n, ev, ck in counts)
+    # ties across stages the schedule cannot keep equal: one line now, not a failure in every worker
+    check_ties(part.tied, segments[0].schedule.stage_ranks, spec.synchronous, spec.name)
     run = ResolvedRun(cfg, workers, batch, m, plan, note, options, segments, data)
     run.check()
     return run, bundle

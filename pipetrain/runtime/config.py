@@ -394,6 +394,8 @@ class TrainingSection:
     clip_grad_norm: float | None = setting(
         None, "clip gradients to this 2-norm (global for synchronous schedules, per stage for asynchronous ones)",
         type=float)
+    skip_nonfinite: bool = setting(False, "skip a step whose loss or gradient is NaN/Inf (every stage drops it; "
+                                          "synchronous schedules) instead of stopping the run", kind="true")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lr_schedule", _lr_schedule(self.lr_schedule))

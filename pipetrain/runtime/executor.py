@@ -41,6 +41,7 @@ from .data import UnitData
 from .faults import inject_forward_failure
 from .fused import GradSink, install
 from .log import progress
+from .numerics import drop_step
 from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
 from .split_backward import backward_input, backward_weight
 from .stage import StageModule
@@ -353,6 +354,8 @@ class Executor:
                 wires_out = codec.encode(out, self.comm.device)
                 self._outbox[(a.stage, a.mb, 0)] = wires_out
                 outputs = [wires_out[i] for i in codec.grad_indices]
+        if self.numerics is not None:  # [numerics] a non-finite output: find its node (runtime/numerics.py)
+            self.numerics.after_forward(self, a, values, params, outputs if sm.is_last else wires_out)
         self._units[(a.stage, a.mb)] = _Unit(version, params, leaves, outputs, recv_action, bufs)
         if rng is not None:  # [no stashing] its B runs under a newer version (runtime/recompute.py)
             recompute.keep_for_recompute(self._units[(a.stage, a.mb)], values, rng)
@@ -391,6 +394,8 @@ class Executor:
         outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
         params = [u.params[n] for n in st.trainable]
         grads = self._grads(outs, gouts, u.leaves + params, retain=False)
+        if self.numerics is not None:  # [numerics] a non-finite gradient: find its node (runtime/numerics.py)
+            self.numerics.after_backward(self, a, u, gouts, grads)
         nleaf = len(u.leaves)
         self._finish_input_grads(a, u, grads[:nleaf])
         st.accumulate(self._owned(grads[nleaf:], u))
@@ -479,19 +484,30 @@ class Executor:
             self.tied.sync(st, grads)
         if self.numerics is not None:  # [numerics] a NaN/Inf loss or gradient stops here (runtime/numerics.py)
             self.numerics.check_step(self, st, a, grads)
-        if not self.global_clip:
+        skip = self.numerics is not None and self.numerics.skip  # [numerics] --skip-nonfinite: ranks agree first
+        if not self.global_clip and not skip:
             st.apply(grads, self.base_lr, self.lr_schedule, clip=self.clip, position=self._pos)
+            if self.numerics is not None:  # [numerics] weights finite after the update
+                self.numerics.after_update(self, st, a)
         else:
             # Global norm (synchronous schedules): once every local stage has its step-k
             # gradient, one all-reduce over ranks; each replica adds sumsq / replicas.
             self._deferred.append((st, grads))
             if self._pos in self._last_step_pos:
-                local = sum((self.tied.sum_of_squares(s, g) if self.tied is not None  # [tied] counted once
-                             else sum_of_squares(g.values())) / s.replicas for s, g in self._deferred)
-                total = math.sqrt(max(0.0, self.comm.sum_over_ranks(local)))
-                coef = clip_coefficient(total, self.clip)  # type: ignore[arg-type]
+                if skip and self.numerics.agree(self, a):  # [numerics] a NaN/Inf on some rank: every stage drops it
+                    for s, _ in self._deferred:
+                        drop_step(s, self._pos)
+                    self._deferred = []
+                coef = None
+                if self.global_clip and self._deferred:
+                    local = sum((self.tied.sum_of_squares(s, g) if self.tied is not None  # [tied] counted once
+                                 else sum_of_squares(g.values())) / s.replicas for s, g in self._deferred)
+                    total = math.sqrt(max(0.0, self.comm.sum_over_ranks(local)))
+                    coef = clip_coefficient(total, self.clip)  # type: ignore[arg-type]
                 for s, g in self._deferred:
-                    s.apply(g, self.base_lr, self.lr_schedule, coef=coef, position=self._pos)
+                    s.apply(g, self.base_lr, self.lr_schedule, clip=self.clip, coef=coef, position=self._pos)
+                    if self.numerics is not None:  # [numerics] weights finite after the update
+                        self.numerics.after_update(self, s, a)
                 self._deferred = []
         if self.log_every and st.stage.is_last:
             self._log_step(a)

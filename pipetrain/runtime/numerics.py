@@ -1,76 +1,274 @@
-"""Stop a run at the first non-finite loss or gradient, naming where it appeared.
+"""Stop (or skip) a step at the first non-finite loss, activation, gradient or weight, naming
+the step, stage, rank and graph node where it first appeared.
 
-:class:`NumericsGuard` is called by the executor at every STEP of a stage (a hook:
-``Executor.numerics``), before the optimizer touches the weights:
+:class:`NumericsGuard` is installed on the executor (``Executor.numerics``) and called at four
+points of every stage:
 
-1. on the last stage, every loss computed since the previous check (one per unit) must be
-   finite; the first that is not names its minibatch and unit;
-2. on every stage, every parameter's mean gradient must be finite; the first that is not
-   names the parameter (its model name, e.g. ``net.4.weight``, i.e. the node ``net.4``).
+1. after each forward (``after_forward``): the stage's outputs (the last stage: the unit's
+   loss) must be finite. When they are not and the stage's *inputs* were finite, the value
+   first appeared in this stage: the unit's forward is re-run node by node on the same input
+   and weights (:func:`locate_forward`, an fx :class:`~torch.fx.Interpreter` over the stage's
+   GraphModule) to name the first node whose output is non-finite (or the loss function, when
+   every node is finite). A non-finite input came from an upstream stage, which found it first.
+2. after each backward (``after_backward``): when the received output gradients were finite,
+   the forward was finite, but a gradient (an input's or a weight's) is not, the unit's
+   forward and backward are re-run recording every node output's gradient
+   (:func:`locate_backward`) to name the node whose backward first turned it non-finite.
+3. at every STEP (``check_step``), before the update: every loss since the last check (last
+   stage) and every mean gradient must be finite (names the minibatch, unit or parameter).
+4. after every update (``after_update``): every weight must be finite (a huge learning rate
+   can overflow finite gradients).
 
-Either raises :class:`NonFiniteError` on the rank that saw it: the step is not applied, no
-checkpoint is written after it (checkpoints are written only at drained boundaries that the
-run reaches), so the latest complete checkpoint in ``--checkpoint-dir`` is the last good one,
-and the message names it. The other ranks stop when their waits on this rank break
-(:mod:`pipetrain.runtime.peers`), and the launcher reports this rank's error.
+What happens then:
 
-Where a NaN first appears *inside* a stage's forward (which node produced it) is not
-searched: the gradient check names the parameter whose gradient is non-finite, which is
-the node that consumed it. A loss that is non-finite while every gradient upstream of it is
-not yet computed is reported as a loss. Cost: one ``isfinite`` pass over the gradients per
-step (as cheap as a gradient norm).
+- default: :class:`NonFiniteError` is raised on the rank that found it, before the step is
+  applied (point 4: right after). No checkpoint is written after it (checkpoints are written
+  only at drained boundaries the run reaches), so the latest complete checkpoint in
+  ``--checkpoint-dir`` is the last good one, and the message names it. The other ranks stop
+  when their waits on this rank break (:mod:`pipetrain.runtime.peers`).
+- ``--skip-nonfinite`` (synchronous schedules only): the step is dropped on every stage. At
+  the rank's last STEP of a minibatch every rank all-reduces a flag (its stages' findings),
+  so all ranks agree; when any is set, no stage applies the step (its gradients are
+  discarded, its weights stay, its optimizer state and step count stay, and the weight
+  version advances with the same tensors so that the schedule's version numbers still hold).
+  Rank 0 logs one warning line with the origin's details (gathered from every rank), and the
+  run's result counts the skipped steps (``RunResult.skipped_steps``). Asynchronous schedules
+  step their stages at different times, so no agreement point exists: refused.
 
-Minibatch numbering: ``step`` is minibatches done before this STEP's minibatch, counted from
-the run's start; for a stage with ``r`` replicas under pipedream (one step per ``r``
-minibatches) it is the segment's first minibatch plus the stage's step index.
+Cost when nothing is wrong: one ``isfinite`` pass over each forward's outputs, each
+backward's gradients and each step's weights; re-running is only done when a check fires.
+
+Minibatch numbering: ``step`` is minibatches done before the offending minibatch, counted
+from the run's start (``UnitData.step_of``).
 """
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
 
-__all__ = ["NonFiniteError", "NumericsGuard", "first_nonfinite"]
+from ..errors import RuntimeConfigError
+
+__all__ = ["NonFiniteError", "NumericsGuard", "Finding", "first_nonfinite", "locate_forward", "locate_backward",
+           "drop_step"]
+
+log = logging.getLogger("pipetrain.numerics")
 
 
 class NonFiniteError(RuntimeError):
-    """A loss or gradient became NaN or Inf (module docstring); ``step``, ``stage`` and
-    ``where`` (a unit's loss or a parameter name) say where it first appeared."""
+    """A loss, activation, gradient or weight became NaN or Inf (module docstring); ``step``,
+    ``stage`` and ``where`` (a node, a unit's loss or a parameter name) say where it first appeared."""
 
     def __init__(self, message: str, step: int, stage: int, where: str) -> None:
         super().__init__(message)
         self.step, self.stage, self.where = step, stage, where
 
 
+@dataclass(frozen=True)
+class Finding:
+    """Where a non-finite value first appeared: ``what`` (output, gradient, loss, weight),
+    the minibatch ``step``, ``stage``, ``rank`` and ``where`` (the node or parameter)."""
+
+    what: str
+    step: int
+    stage: int
+    rank: int
+    where: str
+
+    def line(self) -> str:
+        return f"non-finite {self.what} at minibatch {self.step} on stage {self.stage} (rank {self.rank}): {self.where}"
+
+
+def _finite(t: Any) -> bool:
+    if not isinstance(t, Tensor) or not (t.is_floating_point() or t.is_complex()):
+        return True
+    return bool(torch.isfinite(t).all())
+
+
+def _all_finite(values: Iterable[Any]) -> bool:
+    return all(_finite(v) for v in values)
+
+
+def _first_bad(t: Tensor) -> float:
+    bad = t[~torch.isfinite(t)].flatten()[0]
+    return float(bad.real if bad.is_complex() else bad)
+
+
 def first_nonfinite(tensors: Mapping[str, Tensor | None]) -> tuple[str, float] | None:
     """The first ``(name, a bad value)`` among ``tensors`` holding a NaN or Inf, else ``None``."""
     for name, t in tensors.items():
-        if t is None or not (t.is_floating_point() or t.is_complex()):
-            continue
-        if not bool(torch.isfinite(t).all()):
-            bad = t[~torch.isfinite(t)].flatten()[0]
-            return name, float(bad.real if bad.is_complex() else bad)
+        if t is not None and not _finite(t):
+            return name, _first_bad(t)
     return None
 
 
+def _describe(gm: torch.fx.GraphModule, node: torch.fx.Node) -> str:
+    """``node 'net_4' (call_module net.4: Div)`` or ``node 'truediv' (call_function truediv in
+    module div)``: the node's name, op and target, and the model's module it was traced in."""
+    from ..plan.cuts import node_modules
+
+    if node.op == "call_module":
+        what = f"{node.target}: {type(gm.get_submodule(str(node.target))).__name__}"
+    elif node.op in ("call_function", "call_method"):
+        what = getattr(node.target, "__name__", str(node.target))
+        inside = [m for m in node_modules(node) if m]
+        if inside:
+            what += f" in module {inside[-1]}"
+    else:
+        what = str(node.target)
+    return f"node {node.name!r} ({node.op} {what})"
+
+
+def _leaves(value: Any) -> list[Any]:
+    return pytree.tree_leaves(value)
+
+
+class _Found(Exception):
+    def __init__(self, node: torch.fx.Node, value: float) -> None:
+        self.node, self.value = node, value
+
+
+class _Stepper(torch.fx.Interpreter):
+    """Runs a GraphModule node by node; stops at the first node whose output is non-finite
+    (``stop``), or records every node's output (``keep``)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, stop: bool) -> None:
+        super().__init__(gm, garbage_collect_values=stop)
+        self.stop = stop
+        self.outputs: dict[torch.fx.Node, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        out = super().run_node(n)
+        if n.op != "output":
+            if not self.stop:
+                self.outputs[n] = out
+            else:
+                for t in _leaves(out):
+                    if not _finite(t):
+                        raise _Found(n, _first_bad(t))
+        return out
+
+
+@torch.no_grad()
+def locate_forward(gm: torch.fx.GraphModule, params: Mapping[str, Tensor], inputs: Sequence[Any]) -> str | None:
+    """The first node of ``gm`` whose output is non-finite when run on ``inputs`` with
+    ``params`` (bound by name, as ``functional_call`` does), described, with a bad value;
+    ``None`` when every node is finite."""
+    with _reparametrize_module(gm, dict(params)):
+        try:
+            _Stepper(gm, stop=True).run(*inputs)
+        except _Found as f:
+            return f"{_describe(gm, f.node)} is the first node whose output is non-finite (value {f.value})"
+    return None
+
+
+def locate_backward(gm: torch.fx.GraphModule, params: Mapping[str, Tensor], inputs: Sequence[Any],
+                    head: Any, grad_outputs: Sequence[Tensor] | None) -> str | None:
+    """The node whose backward first produces a non-finite gradient (module docstring, 2).
+
+    Re-runs ``gm`` on ``inputs``/``params`` keeping every node's output, then
+    ``head(module output) -> tensors`` (the loss, or the stage's differentiable output
+    wires) and differentiates them (with ``grad_outputs``) with respect to every node output
+    and parameter. Walking the nodes backwards (the order the gradient flows), the first node
+    whose own output gradient is finite but whose inputs' or parameters' gradients are not
+    is the one named. ``None`` when every gradient is finite.
+    """
+    ps = {n: p.detach().requires_grad_(p.is_floating_point()) for n, p in params.items()}
+    ins = [x.detach().requires_grad_(True) if isinstance(x, Tensor) and x.is_floating_point() else x for x in inputs]
+    with torch.enable_grad(), _reparametrize_module(gm, ps):
+        stepper = _Stepper(gm, stop=False)
+        out = stepper.run(*ins)
+        outs = [t for t in head(out) if isinstance(t, Tensor) and t.requires_grad]
+        if not outs:
+            return None
+        nodes = [n for n, v in stepper.outputs.items() if isinstance(v, Tensor) and v.requires_grad]
+        pnames = [n for n, p in ps.items() if p.requires_grad]
+        grads = torch.autograd.grad(outs, [stepper.outputs[n] for n in nodes] + [ps[n] for n in pnames],
+                                    grad_outputs=list(grad_outputs) if grad_outputs is not None else None,
+                                    allow_unused=True)
+    gnode = dict(zip(nodes, grads[:len(nodes)]))
+    gparam = dict(zip(pnames, grads[len(nodes):]))
+
+    def bad(g: Tensor | None) -> bool:
+        return g is not None and not _finite(g)
+
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op in ("output", "placeholder") or bad(gnode.get(n)):
+            continue
+        own = [f"{n.target}." if n.op == "call_module" else ""]
+        mine = [p for p in pnames if n.op == "call_module" and p.startswith(own[0])]
+        culprits = [f"input {a.name!r}" for a in n.all_input_nodes if bad(gnode.get(a))]
+        culprits += [f"parameter {p!r}" for p in mine if bad(gparam.get(p))]
+        if culprits:
+            return (f"{_describe(gm, n)} is the first node whose backward produces a non-finite gradient (at its "
+                    f"{culprits[0]}; its output's gradient is finite)")
+    first = next((p for p in pnames if bad(gparam.get(p))), None)
+    if first is not None:
+        return f"parameter {first!r} has a non-finite gradient (no node's output gradient is non-finite)"
+    return None
+
+
+def drop_step(st: Any, position: int | None) -> None:
+    """``--skip-nonfinite``: end stage ``st``'s gradient group without applying it. The weights
+    and optimizer state stay; the version advances with the same tensors (STEP k makes
+    version k+1, as the schedule's actions expect)."""
+    st._acc = {}
+    st._touched.clear()
+    st.acc_count = 0
+    in_place = position is not None and st.versions.unused_after(position)
+    st.versions.push(dict(st.versions.latest), replace=in_place)
+
+
 class NumericsGuard:
-    """Checks losses and gradients at every STEP (module docstring).
+    """Checks losses, activations, gradients and weights (module docstring).
 
     Args:
         rank: this worker's rank (for messages).
         checkpoint_dir: ``--checkpoint-dir`` (to name the last good checkpoint), or ``None``.
+        skip: ``--skip-nonfinite``: drop the step on every rank instead of raising.
+        synchronous: whether the schedule is synchronous (``skip`` needs it).
+        schedule: the schedule's name (for the refusal's message).
+        loss_fn: ``loss_fn(output, target)`` (to re-run the last stage's loss; default: the executor's).
+        timeout: seconds for the agreement's process group (``skip`` under torch.distributed).
+
+    With ``skip`` under torch.distributed the constructor creates a process group: every rank
+    must construct its guard at the same point.
     """
 
-    def __init__(self, rank: int, checkpoint_dir: str | None = None) -> None:
+    def __init__(self, rank: int, checkpoint_dir: str | None = None, skip: bool = False, synchronous: bool = True,
+                 schedule: str = "", loss_fn: Any = None, timeout: float = 300.0) -> None:
+        if skip and not synchronous:
+            raise RuntimeConfigError(
+                f"--skip-nonfinite drops a step on every stage at once, which the asynchronous schedule {schedule!r} "
+                f"cannot (its stages step at different times); use a synchronous schedule (flush, gpipe) or drop "
+                f"--skip-nonfinite")
         self.rank = rank
         self.checkpoint_dir = checkpoint_dir
+        self.skip = skip
+        self.loss_fn = loss_fn
+        self.skipped: list[int] = []          # minibatches skipped (--skip-nonfinite), in order
+        self.findings: list[Finding] = []     # origins found on this rank since the last agreement
+        self._bad_units: set[tuple[int, int]] = set()  # (stage, unit) whose forward was already non-finite
+        self._inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._checked: set[int] = set()
         self._losses_id = 0
+        self._local_bad = False
+        self._group: Any = None
+        if skip and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from datetime import timedelta
 
+            self._group = dist.new_group(timeout=timedelta(seconds=timeout))
+
+    # -- messages -------------------------------------------------------------------------
     def _last_good(self) -> str:
         if self.checkpoint_dir is None:
             return "no --checkpoint-dir was given, so no checkpoint was kept"
@@ -81,15 +279,86 @@ class NumericsGuard:
             return f"{self.checkpoint_dir} holds no complete checkpoint yet"
         return f"the last good checkpoint is {Path(path)}"
 
-    def _fail(self, what: str, step: int, stage: int, where: str) -> None:
-        raise NonFiniteError(
-            f"non-finite {what} at minibatch {step} on stage {stage} (rank {self.rank}): {where}; the step was not "
-            f"applied and {self._last_good()}; lower --lr, clip with --clip-grad-norm, or check the data",
-            step, stage, where)
+    def _found(self, f: Finding, applied: bool = False) -> None:
+        """Record ``f``; without ``--skip-nonfinite`` raise it."""
+        self._local_bad = True
+        if not any(g.what == f.what and g.stage == f.stage and g.step == f.step for g in self.findings):
+            self.findings.append(f)
+        if self.skip and not applied:
+            return
+        done = "the step was applied (the weights are lost)" if applied else "the step was not applied"
+        hint = "lower --lr" if applied else "lower --lr, clip with --clip-grad-norm, pass --skip-nonfinite"
+        raise NonFiniteError(f"{f.line()}; {done} and {self._last_good()}; {hint}, or check the data",
+                             f.step, f.stage, f.where)
 
+    # -- 1. forward ------------------------------------------------------------------------
+    def after_forward(self, executor: Any, a: Any, inputs: Sequence[Any], params: Mapping[str, Tensor],
+                      outputs: Sequence[Tensor]) -> None:
+        """After the forward of unit ``a.mb`` at stage ``a.stage`` (module docstring, 1)."""
+        key = (a.stage, a.mb)
+        self._inputs[key] = tuple(inputs)
+        if _all_finite(outputs):
+            return
+        self._bad_units.add(key)
+        if not _all_finite(_leaves(list(inputs))):
+            return  # it came from upstream, which found it first
+        sm = executor.stages[a.stage].stage
+        step = executor.data.step_of(a.mb)
+        where = locate_forward(sm.module, params, inputs)
+        if where is None and sm.is_last:
+            where = "the loss function gives a non-finite loss although every node's output is finite"
+            what = "loss"
+        else:
+            what = "output"
+        self._found(Finding(what, step, a.stage, self.rank, f"unit {a.mb}: {where or 'an output is non-finite'}"))
+
+    # -- 2. backward -----------------------------------------------------------------------
+    def after_backward(self, executor: Any, a: Any, u: Any, grad_outputs: Sequence[Tensor] | None,
+                       grads: Sequence[Tensor | None]) -> None:
+        """After the backward of unit ``a.mb`` at stage ``a.stage`` (module docstring, 2)."""
+        key = (a.stage, a.mb)
+        inputs = self._inputs.pop(key, None)
+        if key in self._bad_units:
+            self._bad_units.discard(key)
+            return
+        st = executor.stages[a.stage]
+        fused = [st.sink.buffers[n] for n in getattr(st, "fused", ()) if n in st.sink.buffers]  # written by the backward
+        if _all_finite(g for g in grads if g is not None) and _all_finite(fused):
+            return
+        if grad_outputs is not None and not _all_finite(grad_outputs):
+            return  # the gradient arrived non-finite: a downstream stage found it first
+        sm = st.stage
+        where = None
+        if inputs is not None:
+            if sm.is_last:
+                target = executor.data.unit(a.mb)[1]
+                loss_fn = self.loss_fn or executor.loss_fn
+
+                def head(out: Any) -> list[Tensor]:
+                    return [loss_fn(sm.finish_output(out), target)]
+            else:
+                codec = sm.out_codec
+
+                def head(out: Any) -> list[Tensor]:
+                    wires = codec.encode(out, executor.comm.device)
+                    return [wires[i] for i in codec.grad_indices]
+            try:
+                where = locate_backward(sm.module, u.params, inputs, head, grad_outputs)
+            except Exception as e:  # noqa: BLE001 - the search is a diagnosis: never hide the finding itself
+                where = f"(the node could not be found: {type(e).__name__}: {e})"
+        if where is None:
+            bad = first_nonfinite(dict(zip(st.trainable, grads[-len(st.trainable):])) if st.trainable else {})
+            where = (f"parameter {bad[0]!r} has gradient value {bad[1]}" if bad is not None
+                     else "an input gradient is non-finite")
+        self._found(Finding("gradient", executor.data.step_of(a.mb), a.stage, self.rank, f"unit {a.mb}: {where}"))
+
+    # -- 3. step ---------------------------------------------------------------------------
     def check_step(self, executor: Any, st: Any, action: Any, grads: Mapping[str, Tensor | None]) -> None:
         """Called at a STEP of stage ``st`` with its mean gradients, before the update."""
         data = executor.data
+        live = getattr(executor, "_units", None)
+        if live is not None:  # units finished without a B hook (zero-bubble I/W): forget their inputs
+            self._inputs = {k: v for k, v in self._inputs.items() if k in live}
         if st.stage.is_last:
             losses: Mapping[int, Tensor] = executor.losses
             if id(losses) != self._losses_id:  # a new segment: a new dict
@@ -98,10 +367,60 @@ class NumericsGuard:
                 self._checked.add(unit)
                 value = float(losses[unit])
                 if not math.isfinite(value):
-                    self._fail("loss", data.step_of(unit), st.index, f"the loss of unit {unit} is {value}")
+                    self._found(Finding("loss", data.step_of(unit), st.index, self.rank,
+                                        f"the loss of unit {unit} is {value}"))
         bad = first_nonfinite(grads)
         if bad is not None:
             name, value = bad
             module = name.rpartition(".")[0] or name
-            self._fail("gradient", data.step_offset + int(action.mb), st.index,
-                       f"parameter {name!r} (node {module!r}) has gradient value {value}")
+            self._found(Finding("gradient", data.step_offset + int(action.mb), st.index, self.rank,
+                                f"parameter {name!r} (node {module!r}) has gradient value {value}"))
+
+    # -- 4. after the update ---------------------------------------------------------------
+    def after_update(self, executor: Any, st: Any, action: Any) -> None:
+        """Every weight of stage ``st`` is finite after its update (module docstring, 4)."""
+        bad = first_nonfinite(dict(st.versions.latest))
+        if bad is not None:
+            self._found(Finding("weight", executor.data.step_offset + int(action.mb), st.index, self.rank,
+                                f"parameter {bad[0]!r} has value {bad[1]} after the update"), applied=True)
+
+    # -- --skip-nonfinite: the agreement ----------------------------------------------------
+    def agree(self, executor: Any, action: Any) -> bool:
+        """At this rank's last STEP of a minibatch: whether any rank found a non-finite value
+        since the last agreement (a collective over every rank). When so, rank 0 logs one
+        warning line with the origin and the step is counted as skipped."""
+        local = 1.0 if self._local_bad else 0.0
+        distributed = self._group is not None
+        total = local
+        if distributed:
+            t = torch.tensor([local], dtype=torch.float64, device=executor.comm.device)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self._group)
+            total = float(t.item())
+        if total <= 0:
+            return False
+        findings = list(self.findings)
+        if distributed:
+            gathered: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, findings, group=self._group)
+            findings = [f for g in gathered for f in (g or [])]
+        step = executor.data.step_offset + int(action.mb)
+        self.skipped.append(step)
+        if self.rank == 0:
+            origin = _origin(findings)
+            log.warning("skipped step %d (--skip-nonfinite; %d skipped so far): %s", step, len(self.skipped),
+                        origin.line() if origin is not None else "a non-finite value")
+        self.findings, self._local_bad = [], False
+        self._bad_units.clear()
+        return True
+
+
+def _origin(findings: Sequence[Finding]) -> Finding | None:
+    """The finding nearest the origin: a forward one at the lowest stage, else a gradient one
+    at the highest stage (gradients flow backwards), else any."""
+    fwd = [f for f in findings if f.what in ("output", "loss") and "unit" in f.where and "loss of unit" not in f.where]
+    if fwd:
+        return min(fwd, key=lambda f: (f.step, f.stage))
+    grad = [f for f in findings if f.what == "gradient" and "node" in f.where and "is the first node" in f.where]
+    if grad:
+        return max(grad, key=lambda f: (-f.step, f.stage))
+    return findings[0] if findings else None

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from ..plan.traffic import Traffic
 from ..schedule.events import Event
 
 __all__ = ["RankReport", "RunResult"]
@@ -29,7 +30,7 @@ class RankReport:
                                                  # (schedule.events.steady_state_rates)
     peak_versions: dict[int, int]
     alive_versions: dict[int, int]
-    bytes_sent: int
+    bytes_sent: int                              # = traffic.total_sent (the timed segments, every kind)
     peak_rss_mib: float | None
     rss_end_mib: float | None
     rss_setup_mib: float | None
@@ -39,6 +40,9 @@ class RankReport:
     optimizer_state: dict[str, dict[str, Any]] = field(default_factory=dict)
     stage_steps: dict[str, int] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)                    # with --trace: every action
+    tensor_memory: dict[str, Any] = field(default_factory=dict)  # [tensor memory] H-mem: TensorLedger.summary()
+    traffic: Traffic = field(default_factory=Traffic)        # Comm's counts over the timed segments, by kind
+    eval_traffic: Traffic = field(default_factory=Traffic)   # Comm's counts during evaluations (not training)
 
 
 @dataclass
@@ -52,6 +56,16 @@ class RunResult:
     under two steps).
     Memory figures are per rank in MiB. ``state`` (not in JSON) holds the final parameters
     when ``return_state`` was asked.
+
+    Communication (docs/traffic.md): ``traffic`` is every rank's
+    :class:`~pipetrain.plan.traffic.Traffic` (``to_json()``) over the timed segments only,
+    summed when evaluations or checkpoints split them; the warm-up, evaluation and setup are
+    not in it. ``bytes_sent[r] == traffic[r]["total_sent"]``. ``bytes_per_sample`` (by kind and
+    ``"total"``) divides the bytes sent over all ranks by ``batch_size * steps``;
+    ``predicted_traffic`` / ``predicted_bytes_per_sample`` are
+    :func:`~pipetrain.plan.traffic.predict_traffic` of the same segments (exact cut sizes,
+    all-reduce buffers, ties), equal to the measured figures for the runtime's own schedules.
+    ``eval_traffic``: the evaluations' forward messages per rank (empty when none ran).
     """
 
     steps: int
@@ -77,7 +91,19 @@ class RunResult:
     peak_rss_life_mib: list[float | None]
     samples_per_second_steady: float | None = None
     peak_versions: dict[str, int] = field(default_factory=dict)
-    bytes_sent: list[int] = field(default_factory=list)
+    bytes_sent: list[int] = field(default_factory=list)           # per rank, timed segments (= traffic's total_sent)
+    traffic: list[dict[str, Any]] = field(default_factory=list)   # per rank, Traffic.to_json(), timed segments
+    bytes_per_sample: dict[str, float] | None = None              # sent over all ranks / samples, by kind + "total"
+    bytes_per_minibatch: dict[str, float] | None = None
+    predicted_traffic: list[dict[str, Any]] = field(default_factory=list)
+    predicted_bytes_per_sample: dict[str, float] | None = None
+    eval_traffic: list[dict[str, Any]] = field(default_factory=list)
+    # -- [tensor memory] H-mem: tensors held per rank (runtime/tensor_memory.py, docs/performance.md "Memory")
+    tensor_peak_bytes: list[int | None] = field(default_factory=list)     # peak of distinct storages held
+    tensor_peak_mib: list[float | None] = field(default_factory=list)
+    tensor_peak_by_kind: list[dict[str, int]] = field(default_factory=list)   # the breakdown at that peak
+    tensor_max_by_kind: list[dict[str, int]] = field(default_factory=list)    # each kind's own maximum
+    # -- [tensor memory] end
     stage_nodes: list[int] = field(default_factory=list)
     stage_first_nodes: list[str] = field(default_factory=list)
     stage_first_modules: list[str] = field(default_factory=list)
@@ -109,6 +135,21 @@ class RunResult:
             setattr(self, key, summary.get(key))
         has_target = summary.get("target_accuracy") is not None or summary.get("target_loss") is not None
         self.reached = bool(summary.get("reached")) if has_target else None
+
+    def add_traffic(self, summary: dict[str, Any]) -> None:
+        """Fill the communication fields from the worker's traffic summary (its keys are the
+        field names: ``traffic``, ``bytes_per_sample``, ``predicted_*``, ``eval_traffic``)."""
+        for key in ("traffic", "bytes_per_sample", "bytes_per_minibatch", "predicted_traffic",
+                    "predicted_bytes_per_sample", "eval_traffic"):
+            if key in summary:
+                setattr(self, key, summary[key])
+
+    def add_tensor_memory(self, summaries: list[dict[str, Any]]) -> None:
+        """[tensor memory] H-mem: the ``tensor_*`` fields from each rank's ``TensorLedger.summary()``."""
+        self.tensor_peak_bytes = [s.get("peak_bytes") for s in summaries]
+        self.tensor_peak_mib = [None if b is None else b / 2.0 ** 20 for b in self.tensor_peak_bytes]
+        self.tensor_peak_by_kind = [s.get("peak_by_kind", {}) for s in summaries]
+        self.tensor_max_by_kind = [s.get("max_by_kind", {}) for s in summaries]
 
     def to_json(self) -> dict[str, Any]:
         """Every field but ``state``, as JSON-friendly values."""

@@ -38,7 +38,12 @@ When the exchange happens, and what is refused:
 
 Global gradient clipping counts a tied tensor once (each holder's squared norm weighted by
 ``1 / holders``), as one process does. The all-reduces are counted in the
-:class:`~pipetrain.plan.traffic.Traffic` of :class:`Comm` as ``allreduce`` bytes.
+:class:`~pipetrain.plan.traffic.Traffic` of :class:`Comm` as ``allreduce`` bytes (one call
+of the tensor's bytes per tie at each STEP of a holding stage, over the ranks of every
+holding stage); :func:`tied_buffers` gives
+:func:`~pipetrain.plan.traffic.predict_traffic` the same (its ``tied`` argument), and
+:func:`stage_parameters` every stage's trainable tensors (a tie across stages in each holder),
+whose :func:`~pipetrain.runtime.comm.reduce_buffers` are the stages' replica all-reduces.
 """
 from __future__ import annotations
 
@@ -52,6 +57,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..errors import RuntimeConfigError
+from ..plan.traffic import TiedBuffer
 from .optim import sum_of_squares
 
 if TYPE_CHECKING:  # only for annotations: executor imports stage, which imports this module
@@ -59,7 +65,7 @@ if TYPE_CHECKING:  # only for annotations: executor imports stage, which imports
     from .executor import StageRuntime
     from .stage import StageModule
 
-__all__ = ["TiedParameter", "TiedSync", "alias_state", "check_ties"]
+__all__ = ["TiedParameter", "TiedSync", "alias_state", "check_ties", "stage_parameters", "tied_buffers"]
 
 
 @dataclass(frozen=True)
@@ -117,6 +123,50 @@ def check_ties(ties: Sequence[TiedParameter], stage_ranks: Sequence[Sequence[int
                 f"rank {r} holds stages {mine[0]} and {mine[1]}, which both hold tied parameters (first: "
                 f"{across[0].describe()}); tied parameters across stages need their holders on different ranks: "
                 f"use a layout with one stage per rank, put the tied readers in one stage, or untie the weights")
+
+
+def stage_parameters(named: Mapping[str, Tensor], param_stage: Mapping[str, int], ties: Sequence[TiedParameter],
+                     num_stages: int) -> list[list[Tensor]]:
+    """Every stage's trainable tensors, as its replica all-reduce holds them.
+
+    Args:
+        named: the whole model's ``named_parameters()`` (a tied tensor under its first name).
+        param_stage: the partition's owner of every name (``Partition.param_stage``).
+        ties: the partition's ties (``Partition.tied``).
+        num_stages: stages of the plan.
+
+    A tensor counts once per stage; a tensor tied across stages counts in every stage that
+    holds it (each holds its own copy, :func:`pipetrain.runtime.stage.build_stage_modules`);
+    frozen tensors and tensors no stage reads are in none.
+    """
+    holders = {n: tie.stages for tie in ties for n in tie.names}
+    out: list[list[Tensor]] = [[] for _ in range(num_stages)]
+    seen: set[int] = set()
+    for name, p in named.items():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        stages = holders.get(name) or ((param_stage[name],) if name in param_stage else ())
+        for k in sorted(set(stages)):
+            out[k].append(p)
+    return out
+
+
+def tied_buffers(named: Mapping[str, Tensor], ties: Sequence[TiedParameter]) -> list[TiedBuffer]:
+    """What :class:`TiedSync` all-reduces, for :func:`~pipetrain.plan.traffic.predict_traffic`:
+    one :class:`~pipetrain.plan.traffic.TiedBuffer` per trainable tie across stages (its
+    tensor's bytes and holding stages), in the ties' order. ``named``: the model's parameters
+    by any of their names."""
+    out: list[TiedBuffer] = []
+    for tie in ties:
+        if not (tie.across_stages and tie.trainable):
+            continue
+        p = next((named[n] for n in tie.names if n in named), None)
+        if p is None:
+            raise RuntimeConfigError(f"tied parameter {tie.describe()} is not among the model's parameters; pass "
+                                     f"the model that was partitioned")
+        out.append(TiedBuffer(p.numel() * p.element_size(), tuple(tie.stages)))
+    return out
 
 
 def alias_state(stage: StageModule, state: Mapping[str, Tensor]) -> dict[str, Tensor]:

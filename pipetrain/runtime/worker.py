@@ -31,13 +31,14 @@ import torch.distributed as dist
 
 from ..errors import PipetrainError, RuntimeConfigError
 from ..plan.cuts import node_modules, stage_first_nodes
+from ..plan.traffic import ReduceBuffer, TiedBuffer, Traffic, bytes_per_sample, predict_traffic, traffic_report
 from ..schedule.action import Schedule
-from ..schedule.events import Event, steady_state_rates, write_chrome_trace
+from ..schedule.events import steady_state_rates, write_chrome_trace
 from .checkpoint import TrainerState, check_resumable, load_checkpoint, save_checkpoint
 from .checkpointing import RankView, restore, save_at_boundary, segments_done
 from .peers import naming_peer, restart_store
 from .numerics import NumericsGuard
-from .comm import Comm
+from .comm import Comm, cut_bytes, reduce_buffers
 from .config import TrainConfig, parse_debug_fail
 from .data import UnitData, stage_part, unit_source
 from .evaluation import evaluate
@@ -46,13 +47,14 @@ from .executor import Executor, StageRuntime
 from .failures import FailureBoard, FailureRecord, connect_board
 from .log import setup_logging
 from .memory import peak_rss_life_mib, proc_status_mib, reset_peak_rss, tune_malloc
+from .tensor_memory import attach as attach_tensor_memory  # [tensor memory] H-mem
 from .model import load_bundle
 from .optim import FunctionalOptimizer
 from .reference import stage_step_count
 from .resolved import ResolvedRun
 from .result import RankReport, RunResult
 from .stage import boundary_codecs, build_stage_modules, partition_graph
-from .tied import TiedSync, alias_state, check_ties
+from .tied import TiedSync, alias_state, check_ties, stage_parameters, tied_buffers
 
 __all__ = ["worker_main", "run_rank", "init_distributed", "tune_malloc", "shutdown_process_group"]
 
@@ -174,6 +176,13 @@ class _Setup:
     resumed_at: int = 0                  # step restored from --checkpoint-dir (0: fresh), see checkpointing.py
     timed_steps: int = 0                 # timed steps run (fewer than planned when a target stopped the run)
     monitor: Any = None                  # TrainMonitor: progress, logs, evaluations (runtime/monitor.py)
+    # -- communication accounting (docs/traffic.md): what the prediction needs, what was counted --
+    stage_buffers: list[list[ReduceBuffer]] = field(default_factory=list)  # every stage's replica all-reduce
+    tied_buffers: list[TiedBuffer] = field(default_factory=list)           # ties across stages (tied.py)
+    timed_schedules: list[Schedule] = field(default_factory=list)          # the timed segments that ran
+    timed_traffic: Traffic = field(default_factory=Traffic)   # Comm's counts over those segments, summed
+    eval_traffic: Traffic = field(default_factory=Traffic)    # Comm's counts during evaluations
+    evaluated: bool = False                                   # whether any evaluation ran
 
 
 def _run(run: ResolvedRun, rank: int, world: int, device: torch.device) -> RunResult | None:
@@ -194,7 +203,8 @@ def _run(run: ResolvedRun, rank: int, world: int, device: torch.device) -> RunRe
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
     if cfg.output.trace is not None:
-        _write_trace(cfg.output.trace, rank, mine.events, run.schedule, gathered if rank == 0 else None)
+        _write_trace(cfg.output.trace, rank, mine, run.schedule, gathered if rank == 0 else None,
+                     _traffic_summary(run, setup, gathered) if rank == 0 else None)
         if rank == 0:
             (Path(cfg.output.trace) / "run.json").write_text(json.dumps(run.to_json(), indent=1, default=str))
     if rank != 0:
@@ -226,8 +236,15 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
                               device, fuse_linear=fuse) for k in mine}
     first_nodes = stage_first_nodes(run.plan, [n.name for n in captured.graph.nodes if n.is_input])  # type: ignore[arg-type]
     first_modules = {n.name: (node_modules(n) or [""])[-1] for n in captured.gm.graph.nodes}
+    # every stage's all-reduce buffers and the ties across stages: what the traffic prediction needs
+    named = dict(bundle.model.named_parameters())
+    stage_buffers = [reduce_buffers(ps) for ps in stage_parameters(named, part.param_stage, part.tied,
+                                                                   schedule.num_stages)]
+    ties = tied_buffers(named, part.tied)
+    del named
     del bundle.model, captured  # the stage modules now hold what this rank needs
     setup = _Setup(bundle, stages, list(codecs), original_keys, extras)
+    setup.stage_buffers, setup.tied_buffers = stage_buffers, ties
     setup.stage_first_nodes = first_nodes
     setup.stage_first_modules = [first_modules.get(n, "") for n in first_nodes]
     if cfg.checkpoint.resume:
@@ -281,7 +298,11 @@ def _train(run: ResolvedRun, setup: _Setup, rank: int,
                         log_every=1 if monitor.wants_steps else cfg.output.log_every if is_logger else 0,
                         lr_totals=lr_totals)
     executor.tied = tied  # [tied]
-    executor.numerics = NumericsGuard(rank, cfg.checkpoint.checkpoint_dir)  # [numerics] H-ckpt-int
+    executor.numerics = NumericsGuard(rank, cfg.checkpoint.checkpoint_dir,  # [numerics] H-ckpt-int
+                                      skip=cfg.training.skip_nonfinite, synchronous=cfg.synchronous,
+                                      schedule=cfg.parallel.schedule, timeout=cfg.performance.timeout)
+    setup.skipped = executor.numerics.skipped  # type: ignore[attr-defined]  # [numerics] --skip-nonfinite
+    setup.tensor_memory = attach_tensor_memory(executor)  # type: ignore[attr-defined]  # [tensor memory] H-mem
     if monitor.wants_steps:  # the driving rank: progress bar / lines and --log-dir (runtime/monitor.py)
         executor.on_step = monitor.on_step
     eval_loss = None if getattr(setup.bundle, "default_loss", False) else setup.bundle.loss_fn
@@ -307,6 +328,7 @@ def _train(run: ResolvedRun, setup: _Setup, rank: int,
             else:
                 executor.t0 = t0 - monitor.clock.elapsed()
                 monitor.clock.resume()
+            traffic0 = comm.traffic.copy()  # the timed segments' traffic, summed (docs/traffic.md)
         with naming_peer(rank, executor, sched.workers[rank]):  # a broken wait names its peer (peers.py)
             executor.run(sched.workers[rank])
         with naming_peer(rank, executor, []):
@@ -318,14 +340,19 @@ def _train(run: ResolvedRun, setup: _Setup, rank: int,
             monitor.clock.pause()
             wall = monitor.clock.elapsed()
             setup.timed_steps += seg.steps
+            setup.timed_traffic = setup.timed_traffic + comm.traffic_since(traffic0)
+            setup.timed_schedules.append(sched)
         for u, loss in executor.unit_losses().items():
             step_losses.setdefault(executor.data.step_of(u), []).append(loss)
         executor.losses = {}
         offset += seg.steps
         stop = False
         if seg.evaluate:  # drained: every stage holds its newest weights (runtime/evaluation.py)
+            eval0 = comm.traffic.copy()  # evaluation's forward messages: counted apart from training
             result = evaluate(run, source, schedule, rank, setup.stages, comm, eval_loss, offset,
                               offset * run.batch_size, wall)
+            setup.eval_traffic = setup.eval_traffic + comm.traffic_since(eval0)
+            setup.evaluated = True
             stop = monitor.on_eval(result)
         # checkpointing hook (H-ckpt-int): drained here; the segment's flag (resolve.segment_plan) or a stop says when
         save_at_boundary(_ckpt_view(run, setup, rank, device), offset,
@@ -347,10 +374,12 @@ def _report(run: ResolvedRun, setup: _Setup, rank: int, executor: Executor, step
         steady={k: rate for (_, k), rate in steady_state_rates(executor.events, setup.timed_steps).items()},
         peak_versions={k: st.versions.peak for k, st in stages.items()},
         alive_versions={k: st.versions.alive() for k, st in stages.items()},
-        bytes_sent=executor.comm.bytes_sent,
+        bytes_sent=int(setup.timed_traffic.total_sent), traffic=setup.timed_traffic, eval_traffic=setup.eval_traffic,
         peak_rss_mib=peak if peak is not None else peak_rss_life_mib(),
         rss_end_mib=proc_status_mib("VmRSS"), rss_setup_mib=setup.rss_setup_mib, peak_reset=setup.peak_reset,
         peak_rss_life_mib=peak_rss_life_mib())
+    if getattr(setup, "tensor_memory", None) is not None:  # [tensor memory] H-mem (runtime/tensor_memory.py)
+        out.tensor_memory = setup.tensor_memory.summary()  # type: ignore[attr-defined]
     if cfg.debug.return_state or cfg.checkpoint.save is not None:
         for k, st in stages.items():
             if run.schedule.stage_ranks[k][0] != rank:
@@ -401,6 +430,9 @@ def _result(run: ResolvedRun, setup: _Setup, gathered: list[RankReport], device:
         bytes_sent=[g.bytes_sent for g in gathered], stage_nodes=[len(s.nodes) for s in plan.stages],
         stage_first_nodes=setup.stage_first_nodes, stage_first_modules=setup.stage_first_modules,
         run=run.to_json())
+    result.add_traffic(_traffic_summary(run, setup, gathered))
+    result.skipped_steps = len(getattr(setup, "skipped", []))  # type: ignore[attr-defined]  # [numerics] every rank agrees
+    result.add_tensor_memory([g.tensor_memory for g in gathered])  # [tensor memory] H-mem
     if setup.monitor is not None:  # evaluations and the target (every rank saw them)
         result.add_evaluation(setup.monitor.summary(end_step), run.data)
     if cfg.debug.return_state or cfg.checkpoint.save is not None:
@@ -473,14 +505,47 @@ def _ckpt_view(run: ResolvedRun, setup: _Setup, rank: int, device: torch.device)
     return RankView(run, rank, run.world_size, setup.stages, setup.extras, device)
 
 
-def _write_trace(directory: str, rank: int, events: list[Event], schedule: Schedule,
-                 gathered: list[RankReport] | None) -> None:
-    """``DIR/rank{R}.json`` per rank and, on rank 0, the merged ``DIR/trace.json``: the
-    simulator's trace writer (:func:`~pipetrain.schedule.events.write_chrome_trace`), so
-    measured and predicted timelines are the same format and figures."""
+def _traffic_summary(run: ResolvedRun, setup: _Setup, gathered: list[RankReport]) -> dict[str, Any]:
+    """Rank 0: the timed segments' traffic, measured and predicted (docs/traffic.md)::
+
+        {"traffic": [per rank], "bytes_per_sample": ..., "bytes_per_minibatch": ...,   (traffic_report)
+         "predicted_traffic": [per rank], "predicted_bytes_per_sample": ...,
+         "eval_traffic": [per rank] (only when an evaluation ran)}
+
+    The prediction is :func:`~pipetrain.plan.traffic.predict_traffic` of every timed segment
+    that ran, with the codecs' cut sizes, the stages' all-reduce buffers and the ties across
+    stages; samples are ``batch_size * timed steps``.
+    """
+    cfg = run.config
+    steps = setup.timed_steps
+    samples = run.batch_size * steps
+    measured = traffic_report([g.traffic for g in gathered], samples or None, steps or None)
+    cuts = cut_bytes(setup.codecs)
+    clip = cfg.synchronous and cfg.training.clip_grad_norm is not None
+    predicted = {r: Traffic() for r in range(run.world_size)}
+    for sched in setup.timed_schedules:
+        for r, t in predict_traffic(sched, cuts, setup.stage_buffers, global_clip=clip,
+                                    tied=setup.tied_buffers).items():
+            predicted[r] = predicted[r] + t
+    out = dict(measured)
+    out["predicted_traffic"] = [predicted[r].to_json() for r in sorted(predicted)]
+    out["predicted_bytes_per_sample"] = bytes_per_sample(predicted, samples) if samples else None
+    if setup.evaluated:
+        out["eval_traffic"] = [g.eval_traffic.to_json() for g in gathered]
+    return out
+
+
+def _write_trace(directory: str, rank: int, mine: RankReport, schedule: Schedule,
+                 gathered: list[RankReport] | None, summary: dict[str, Any] | None) -> None:
+    """``DIR/rank{R}.json`` per rank and, on rank 0 (``gathered`` given), the merged
+    ``DIR/trace.json``: the simulator's trace writer
+    (:func:`~pipetrain.schedule.events.write_chrome_trace`), so measured and predicted
+    timelines are the same format and figures. ``otherData`` carries the traffic: each rank's
+    own (``{"traffic": ...}``), the merged trace the run's :func:`_traffic_summary`."""
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    write_chrome_trace(events, d / f"rank{rank}.json", schedule=schedule, measured=True)
+    write_chrome_trace(mine.events, d / f"rank{rank}.json", schedule=schedule, measured=True,
+                       meta={"traffic": mine.traffic.to_json()})
     if gathered is not None:
         write_chrome_trace([e for g in gathered for e in g.events], d / "trace.json", schedule=schedule,
-                           measured=True)
+                           measured=True, meta=summary)
