@@ -29,8 +29,8 @@ Needs root (network namespaces: ``pipetrain.cluster``). What it does:
 
 Measured time per minibatch: ``batch / samples_per_second_steady`` (steady state, the
 simulator's definition). Measured bytes per sample: the sum over ranks of ``bytes_sent``
-(every kind, warm-up steps included, since the runtime counts from its start) divided by
-the samples of all steps; per-kind figures once ``train --json`` reports ``traffic``.
+(every kind, timed steps only) divided by the samples of the timed steps; per kind from
+``train --json``'s ``bytes_per_sample``.
 
 The JSON object (``--json``) has ``bandwidth_bits_per_second``, ``hosts``,
 ``dp_samples_per_second``, ``planner_samples_per_second``, ``planner_config``,
@@ -93,7 +93,7 @@ def _summary(hosts: int, bandwidth_bits: int | None, runs: dict[str, dict[str, A
         "prediction_error_concurrent": max(errors_conc) if errors_conc else None,
         "fastest_config": fastest[1],
         "planner_within_10_percent_of_fastest": (sp / fastest[0] >= 0.9) if sp and fastest[0] else None,
-        "bytes_source": "bytes_sent totals over ranks (every kind, warm-up included) / samples of all steps",
+        "bytes_source": "bytes_sent totals over ranks (every kind, timed steps only) / samples of the timed steps",
         "calibration": cal, "runs": runs, "seconds": seconds,
     }
     return out

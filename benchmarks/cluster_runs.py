@@ -228,7 +228,7 @@ def run_config(cluster: Any, name: str, hosts: int, setup: ModelSetup, cal: Any,
     spec = get_schedule(j["schedule"])
     m = int(j.get("microbatches") or 1)
     rate = j.get("samples_per_second_steady") or j.get("samples_per_second")
-    total_samples = batch * (int(j["steps"]) + int(j.get("warmup_steps") or 0))
+    total_samples = batch * int(j["steps"])  # bytes_sent counts the timed steps only
     out.update({
         "config": plan.config, "schedule": spec.name, "microbatches": m, "plan_source": j.get("plan_source"),
         "stage_first_nodes": j.get("stage_first_nodes"),

@@ -21,19 +21,45 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from .errors import (
-    CaptureError, ModelError, PipetrainError, PlanError, ProfileError, RuntimeConfigError, ScheduleError,
+    CaptureError,
+    ModelError,
+    PipetrainError,
+    PlanError,
+    ProfileError,
+    RuntimeConfigError,
+    ScheduleError,
 )
 from .graph import CapturedModel, LayerGraph, LayerNode, TensorMeta, capture, run_node_by_node
 from .models import MODEL_NAMES, ModelBundle, get_model, load_model
 from .plan import (
-    Level, Plan, PlanOptions, Stage, Topology, baselines, data_parallel_time, evaluate, parse_topology, plan,
+    Level,
+    Plan,
+    PlanOptions,
+    Stage,
+    Topology,
+    baselines,
+    data_parallel_time,
+    evaluate,
+    parse_topology,
+    plan,
     stage_memory,
 )
 from .profile import NodeProfile, Profile, format_profile_table, load_profile, profile_model, save_profile
 from .runtime import TrainConfig, WorkerFailure, replay_schedule, train, train_single_process
 from .schedule import (
-    SCHEDULE_NAMES, SCHEDULES, Action, Event, Op, Schedule, ScheduleSpec, build_schedule, get_schedule,
-    steady_state_throughput, steady_state_time_per_minibatch, validate, write_chrome_trace,
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    Action,
+    Event,
+    Op,
+    Schedule,
+    ScheduleSpec,
+    build_schedule,
+    get_schedule,
+    steady_state_throughput,
+    steady_state_time_per_minibatch,
+    validate,
+    write_chrome_trace,
 )
 from .simulate import SimResult, StageCost, StageCosts, save_gantt, simulate, to_chrome_trace
 

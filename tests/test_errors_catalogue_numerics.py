@@ -1,5 +1,6 @@
-"""Non-finite values (runtime/numerics.py): a NaN/Inf loss or gradient stops the run with the
-minibatch, stage and where it appeared, and the last good checkpoint is kept and named."""
+"""Non-finite values (runtime/numerics.py): a NaN/Inf loss, activation, gradient or weight
+stops the run with the minibatch, stage and where it appeared (the node: tests/test_numerics.py),
+and the last good checkpoint is kept and named."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -51,8 +52,9 @@ def test_nonfinite_gradient_names_the_parameter() -> None:
 def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path) -> None:
     ck = tmp_path / "ck"
     huge = OptimizerConfig("sgd", lr=1e6)  # diverges to inf/nan within a few steps
-    with pytest.raises(WorkerFailure, match=r"NonFiniteError: non-finite (loss|gradient) at minibatch \d+ on stage \d "
-                                            r"\(rank \d\): .*the last good checkpoint is .*step_\d+") as e:
+    with pytest.raises(WorkerFailure, match=r"NonFiniteError: non-finite (loss|gradient|output|weight) at "
+                                            r"minibatch \d+ on stage \d \(rank \d\): .*the last good checkpoint is "
+                                            r".*step_\d+") as e:
         train(cfg("flush", 2, "1-1", steps=12, optimizer=huge, checkpoint_dir=str(ck), checkpoint_every=1))
     assert wait_no_children() == []
     step = int(str(e.value).split("at minibatch ")[1].split()[0])

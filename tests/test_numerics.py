@@ -124,7 +124,8 @@ def test_locate_backward_names_the_node_whose_backward_turns_it_nonfinite() -> N
 def test_an_inf_stops_the_run_naming_step_stage_and_node() -> None:
     with pytest.raises(WorkerFailure, match=rf"NonFiniteError: non-finite output at minibatch {BAD} on stage \d "
                                             rf"\(rank \d\): unit \d+: node 'truediv' \(call_function truediv in module "
-                                            rf"div\) is the first node whose output is non-finite .*the step was not applied"):
+                                            rf"div\) is the first node whose output is non-finite "
+                                            rf".*the step was not applied"):
         train(cfg("div_net"))
     assert wait_no_children() == []
 

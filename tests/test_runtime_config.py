@@ -11,8 +11,15 @@ import pytest
 
 from pipetrain.cli.train_cmd import add_config_arguments, config_from_args
 from pipetrain.errors import RuntimeConfigError
-from pipetrain.runtime.config import (DEBUG_FAIL_MODES, SECTIONS, LRSchedule, OptimizerConfig, TrainConfig,
-                                      parse_debug_fail, settings)
+from pipetrain.runtime.config import (
+    DEBUG_FAIL_MODES,
+    SECTIONS,
+    LRSchedule,
+    OptimizerConfig,
+    TrainConfig,
+    parse_debug_fail,
+    settings,
+)
 from pipetrain.schedule import get_schedule
 
 pytestmark = pytest.mark.timeout(60)
@@ -114,7 +121,8 @@ def test_schedule_options_come_from_the_spec() -> None:
     got = TrainConfig.of(schedule="pipedream", vertical_sync=True).parallel.schedule_options
     assert got == {**pipedream.option_defaults, "vertical_sync": True} and set(got) == set(pipedream.options)
     assert TrainConfig.of(schedule="pipedream").parallel.schedule_options["vertical_sync"] is False
-    assert TrainConfig.of(schedule="flush").parallel.schedule_options == dict(get_schedule("flush").option_defaults) == {}
+    flush = TrainConfig.of(schedule="flush").parallel.schedule_options
+    assert flush == dict(get_schedule("flush").option_defaults) == {}
     assert TrainConfig.of(schedule="2bw").synchronous is False and TrainConfig.of(schedule="dp").synchronous
 
 

@@ -196,11 +196,8 @@ def tied_init() -> dict[str, torch.Tensor]:
 
 
 def test_pipedream_with_a_tie_across_stages_is_one_line(tmp_path: Path) -> None:
-    from pipetrain.runtime import WorkerFailure
-
-    run = resolve_run(cfg(2, plan_file(tmp_path, [NODES[:3], NODES[3:]]), schedule="pipedream", microbatches=None))
+    """Refused by the resolver (run/resolve.py calls check_ties), before any worker starts."""
     message = (r"parameter 'emb.weight' \(also 'head.weight'\) is tied across stages 0 and 1, which the "
                r"asynchronous schedule 'pipedream' cannot keep equal")
-    with pytest.raises(WorkerFailure, match=message) as e:
-        launch_local([run], timeout=TIMEOUT)
-    assert e.value.user_error
+    with pytest.raises(RuntimeConfigError, match=message):
+        resolve_run(cfg(2, plan_file(tmp_path, [NODES[:3], NODES[3:]]), schedule="pipedream", microbatches=None))

@@ -44,8 +44,16 @@ import torch.multiprocessing as mp
 from pipetrain.errors import RuntimeConfigError
 from pipetrain.graph import capture
 from pipetrain.models import TINY_OPTIONS
-from pipetrain.plan.traffic import (KINDS, CutBytes, TiedBuffer, Traffic, bytes_per_sample, plan_traffic, predict_traffic,
-                                    ring_allreduce_bytes)
+from pipetrain.plan.traffic import (
+    KINDS,
+    CutBytes,
+    TiedBuffer,
+    Traffic,
+    bytes_per_sample,
+    plan_traffic,
+    predict_traffic,
+    ring_allreduce_bytes,
+)
 from pipetrain.run import resolve_run
 from pipetrain.runtime import OptimizerConfig, TrainConfig, launch_local
 from pipetrain.runtime.comm import Comm, cut_bytes, reduce_buffers

@@ -15,9 +15,17 @@ from __future__ import annotations
 from .manifest import CheckpointError, Manifest, TensorSpec, check_model, check_params, read_manifest
 from .retention import complete_checkpoints, latest_checkpoint, prune, require_latest
 from .state import RankState
-from .store import (RankLoad, export_state_dict, load_for_rank, load_into_model, load_rank_extras, read_state_dict,
-                    save_checkpoint_dir)
+from .store import (
+    RankLoad,
+    export_state_dict,
+    load_for_rank,
+    load_into_model,
+    load_rank_extras,
+    read_state_dict,
+    save_checkpoint_dir,
+)
 
 __all__ = ["CheckpointError", "Manifest", "TensorSpec", "RankState", "RankLoad", "save_checkpoint_dir",
-           "latest_checkpoint", "require_latest", "complete_checkpoints", "prune", "read_manifest", "check_params", "check_model",
+           "latest_checkpoint", "require_latest", "complete_checkpoints", "prune", "read_manifest", "check_params",
+           "check_model",
            "load_for_rank", "load_rank_extras", "read_state_dict", "load_into_model", "export_state_dict"]

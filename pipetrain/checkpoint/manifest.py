@@ -26,9 +26,10 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -69,11 +70,11 @@ class TensorSpec:
         return {"shape": list(self.shape), "dtype": str(self.dtype).removeprefix("torch.")}
 
     @staticmethod
-    def of(t: torch.Tensor) -> "TensorSpec":
+    def of(t: torch.Tensor) -> TensorSpec:
         return TensorSpec(tuple(int(s) for s in t.shape), t.dtype)
 
     @staticmethod
-    def from_json(d: Mapping[str, Any]) -> "TensorSpec":
+    def from_json(d: Mapping[str, Any]) -> TensorSpec:
         dtype = getattr(torch, str(d["dtype"]), None)
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown dtype {d['dtype']!r}")

@@ -15,8 +15,9 @@ the manifest as JSON instead of DCP's files.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from torch import Tensor
 

@@ -27,17 +27,27 @@ import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import Tensor, nn
 
-from .manifest import (MANIFEST_NAME, CheckpointError, Manifest, TensorSpec, check_params, checkpoint_name,
-                       fsync_dir, read_manifest, write_manifest)
+from .manifest import (
+    MANIFEST_NAME,
+    CheckpointError,
+    Manifest,
+    TensorSpec,
+    check_params,
+    checkpoint_name,
+    fsync_dir,
+    read_manifest,
+    write_manifest,
+)
 from .retention import TMP_SUFFIX, prune
 from .state import RankState, RankSummary, flatten, model_key, optim_key, rank_key, stash_key
 
@@ -111,7 +121,8 @@ def save_checkpoint_dir(root: str | Path, step: int, *, rank_state: RankState, m
         try:
             json.dumps(dict(manifest_info))
         except (TypeError, ValueError) as e:
-            summ.error = summ.error or f"manifest_info is not JSON-serializable ({e}); pass numbers, strings, lists, dicts"
+            summ.error = summ.error or (f"manifest_info is not JSON-serializable ({e}); "
+                                        "pass numbers, strings, lists, dicts")
         try:
             if tmp.exists():
                 shutil.rmtree(tmp)  # an earlier attempt at this step that was interrupted
@@ -268,7 +279,8 @@ def load_for_rank(path: str | Path, wanted: Mapping[str, Sequence[int]] | Iterab
     if optimizer:
         for n in names:
             st = dict(scalars.get(n, {}))
-            st.update({k: got[optim_key(n, k)] for k, v in man.optimizer.get(n, {}).items() if isinstance(v, TensorSpec)})
+            st.update({k: got[optim_key(n, k)] for k, v in man.optimizer.get(n, {}).items()
+                       if isinstance(v, TensorSpec)})
             if st:
                 out.optimizer[n] = st
     if stash:

@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:  # output piped into `head` and closed early
         try:
-            sys.stdout = open(os.devnull, "w")
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 -- stays open as stdout until exit
         except OSError:
             pass
         return 0

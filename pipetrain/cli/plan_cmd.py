@@ -37,7 +37,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("profile", metavar="PROFILE", help="profile file (.json, or PipeDream .txt)")
     p.add_argument("--workers", default="4", help="workers per level, innermost first, e.g. 16 or 4,4 (default 4)")
     p.add_argument("--bandwidth", default=None,
-                   help="bytes/s per level, innermost first, e.g. 1.25e9 or 300e9,10Gbit (default 10Gbit for one level)")
+                   help="bytes/s per level, innermost first, e.g. 1.25e9 or 300e9,10Gbit "
+                        "(default 10Gbit for one level)")
     p.add_argument("--calibration", default=None, metavar="FILE",
                    help="plan on measured link costs: a file from `pipetrain calibrate --output FILE`, or 'measure' "
                         "(loopback, now); sets the bandwidth, latency and all-reduce cost of the pipetrain model")
@@ -46,11 +47,13 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stages", type=int, default=None, metavar="K", help="use exactly K stages (flat topologies)")
     p.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
                    help=f"cost model (default {DEFAULT_COST_MODEL})")
-    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES, help="schedule whose memory rule --memory checks")
+    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES,
+                   help="schedule whose memory rule --memory checks")
     p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (flush/2bw/gpipe memory)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per minibatch (default: the profile's)")
     p.add_argument("--max-states", type=int, default=2048, help="most DAG states before coarsening (default 2048)")
-    p.add_argument("--compare", action="store_true", help="also evaluate the baselines (data parallel, uniform, by parameters, by time)")
+    p.add_argument("--compare", action="store_true",
+                   help="also evaluate the baselines (data parallel, uniform, by parameters, by time)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--output", default=None, metavar="PLAN.json", help="save the plan here (not saved unless given)")
     p.set_defaults(func=run)
@@ -61,7 +64,8 @@ def _topology(args: argparse.Namespace) -> Topology:
     if bandwidth is None:
         levels = [w for w in str(args.workers).replace("x", ",").split(",") if w.strip()]
         if len(levels) > 1:
-            raise PlanError(f"--workers {args.workers} has {len(levels)} levels; give --bandwidth with one value per level, e.g. 300e9,10Gbit")
+            raise PlanError(f"--workers {args.workers} has {len(levels)} levels; "
+                            "give --bandwidth with one value per level, e.g. 300e9,10Gbit")
         bandwidth = "1.25e9"
     return parse_topology(args.workers, bandwidth, args.memory)
 
@@ -83,6 +87,7 @@ def _calibrated(args: argparse.Namespace, options: PlanOptions) -> tuple[Topolog
         raise PlanError(f"--calibration sets the pipetrain cost model's constants, but --cost-model is "
                         f"{args.cost_model}; drop --cost-model or --calibration")
     cal = resolve_calibration(args.calibration)
+    assert cal is not None  # called only when --calibration was given
     args.calibration_loaded = cal
     topology = calibrated_topology(cal, int(levels[0]), parse_topology("1", "1", args.memory).memory_per_worker)
     return topology, replace(options, cost_params=calibrated_params(cal, options.cost_params.minibatches))
@@ -123,9 +128,9 @@ def run(args: argparse.Namespace) -> int:
     result = plan(profile, topology, options)
     result.batch_size = profile.batch_size
     if args.calibration is not None:
-        from ..plan.calibrated import calibration_summary, resolve_calibration
+        from ..plan.calibrated import calibration_summary
 
-        result.extra["calibration"] = calibration_summary(resolve_calibration(args.calibration_loaded))
+        result.extra["calibration"] = calibration_summary(args.calibration_loaded)  # set by _calibrated
     base = baselines(profile, topology, args.cost_model, options.cost_params) if args.compare else {}
     if args.output:
         # `pipetrain simulate PLAN` finds the profile through this path, relative to the plan file.
@@ -150,15 +155,18 @@ def run(args: argparse.Namespace) -> int:
     print(f"{'stage':>5}  {'nodes':<28} {'count':>5}  {'replicas':>8}  {'compute':>12}  {'memory/worker':>13}")
     for k, s in enumerate(result.stages):
         span = s.nodes[0] if len(s.nodes) == 1 else f"{s.nodes[0]}..{s.nodes[-1]}"
-        print(f"{k:>5}  {span:<28} {len(s.nodes):>5}  {s.replicas:>8}  {_ms(s.compute_time):>12}  {_bytes(s.memory_bytes):>13}")
-    print(f"config: {result.config}" + (f"  ({result.extra['idle_workers']} workers idle)" if result.extra.get("idle_workers") else ""))
+        print(f"{k:>5}  {span:<28} {len(s.nodes):>5}  {s.replicas:>8}  {_ms(s.compute_time):>12}  "
+              f"{_bytes(s.memory_bytes):>13}")
+    idle = result.extra.get("idle_workers")
+    print(f"config: {result.config}" + (f"  ({result.extra['idle_workers']} workers idle)" if idle else ""))
     print(f"predicted time per minibatch: {_ms(result.predicted_time)}")
     line = f"throughput: {throughput['minibatches_per_second']:.3f} minibatches/s"
     if throughput["samples_per_second"] is not None:
         line += f", {throughput['samples_per_second']:.1f} samples/s"
     print(line)
     sp = result.speedup_over_data_parallel
-    print(f"data parallelism: {_ms(result.data_parallel_time)} per minibatch; speedup {sp:.3f}x" if sp else "data parallelism: -")
+    print(f"data parallelism: {_ms(result.data_parallel_time)} per minibatch; speedup {sp:.3f}x"
+          if sp else "data parallelism: -")
     st = result.extra["states"]
     print(f"solved in {result.solve_seconds:.3f} s ({st['count']} states, {st['mode']})")
     if args.compare:

@@ -45,9 +45,11 @@ def check_writable(path: str) -> None:
     target = Path(path)
     parent = target.parent if str(target.parent) else Path(".")
     if target.is_dir():
-        raise PipetrainError(f"--output {path!r} is a directory; give a file name such as {str(target / 'profile.json')!r}")
+        raise PipetrainError(f"--output {path!r} is a directory; "
+                             f"give a file name such as {str(target / 'profile.json')!r}")
     if not parent.is_dir():
-        raise PipetrainError(f"--output {path!r}: directory {str(parent)!r} does not exist; create it first or choose another path")
+        raise PipetrainError(f"--output {path!r}: directory {str(parent)!r} does not exist; "
+                             "create it first or choose another path")
     if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
         raise PipetrainError(f"--output {path!r} is not writable; choose a path you can write")
 

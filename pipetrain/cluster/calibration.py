@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import CalibrationError
 
@@ -141,7 +142,7 @@ class Calibration:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any], source: str = "calibration") -> "Calibration":
+    def from_dict(cls, d: dict[str, Any], source: str = "calibration") -> Calibration:
         if not isinstance(d, dict) or d.get("format") != CALIBRATION_FORMAT:
             raise CalibrationError(f"{source} is not a pipetrain calibration (format must be "
                                    f"{CALIBRATION_FORMAT!r}); write one with `pipetrain calibrate --output FILE`")

@@ -27,8 +27,8 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from .errors import ClusterError
 from .names import parse_rate
@@ -73,7 +73,7 @@ class MessageDelay:
         return t
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> "MessageDelay | None":
+    def from_env(cls, env: Mapping[str, str] | None = None) -> MessageDelay | None:
         """The delay configured by ``PIPETRAIN_LINK_LATENCY`` / ``PIPETRAIN_LINK_BANDWIDTH``, or
         None if neither is set."""
         env = os.environ if env is None else env

@@ -22,8 +22,9 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 MAX_BYTES = 16 * 1024 * 1024
 TIME_PER_SIZE = 0.15  # seconds of traffic spent on one size

@@ -29,8 +29,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .errors import ClusterError
 from .netns import EmulatedCluster, _kill_pids, namespace_pids
@@ -170,7 +171,8 @@ def launch_torchrun(cluster: EmulatedCluster, args: Sequence[str], *, nproc_per_
     t0 = time.monotonic()
     try:
         for host in range(cluster.hosts):
-            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()
+            # Outlive the loop (read after the agents exit); closed after reading below.
+            out, err = tempfile.TemporaryFile(), tempfile.TemporaryFile()  # noqa: SIM115
             files.append((out, err))
             cmd = agent_command(cluster, host, argv, nproc_per_node, port, run_id, timeout, python)
             procs.append(cluster.popen(host, cmd, env=agent_env(cluster, host, run_id, env), stdout=out, stderr=err))

@@ -33,8 +33,9 @@ import socket
 import subprocess
 import threading
 import time
+from collections.abc import Mapping, Sequence
 from types import FrameType
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 from .errors import ClusterError, ClusterUnavailable
 from .names import MTU, ClusterLayout, TbfParams, new_cluster_id, parse_namespace, parse_rate, tbf_params
@@ -222,7 +223,7 @@ def _remove_etc_netns_if_empty() -> None:
 
 # ----------------------------------------------------------------------------- cleanup on exit/signal
 
-_LIVE: dict[str, "EmulatedCluster"] = {}
+_LIVE: dict[str, EmulatedCluster] = {}
 _LOCK = threading.RLock()
 _PREVIOUS: dict[int, Any] = {}
 _ATEXIT = False
@@ -248,7 +249,7 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
         os.kill(os.getpid(), signum)
 
 
-def _register(c: "EmulatedCluster") -> None:
+def _register(c: EmulatedCluster) -> None:
     global _ATEXIT
     with _LOCK:
         _LIVE[c.cluster_id] = c
@@ -261,7 +262,7 @@ def _register(c: "EmulatedCluster") -> None:
                 signal.signal(sig, _on_signal)
 
 
-def _unregister(c: "EmulatedCluster") -> None:
+def _unregister(c: EmulatedCluster) -> None:
     with _LOCK:
         _LIVE.pop(c.cluster_id, None)
         if not _LIVE and _PREVIOUS and threading.current_thread() is threading.main_thread():
@@ -324,14 +325,14 @@ class EmulatedCluster:
         return self._is_up
 
     # --- lifecycle
-    def __enter__(self) -> "EmulatedCluster":
+    def __enter__(self) -> EmulatedCluster:
         return self.up()
 
     def __exit__(self, *exc: object) -> None:
         if not self.keep:
             self.down()
 
-    def up(self) -> "EmulatedCluster":
+    def up(self) -> EmulatedCluster:
         """Create the namespaces, bridge, veths and qdiscs. On any failure removes what it made
         and raises (:class:`ClusterUnavailable` if the machine cannot do it at all)."""
         if self._is_up:
@@ -466,7 +467,7 @@ class EmulatedCluster:
                                "`with EmulatedCluster(...)` or call up() first")
 
     @classmethod
-    def attach(cls, cluster_id: str) -> "EmulatedCluster":
+    def attach(cls, cluster_id: str) -> EmulatedCluster:
         """An object for a cluster left up by ``pipetrain cluster up`` (``keep=True``: leaving it
         does not remove the cluster; call :meth:`down` to)."""
         nss = list_clusters().get(cluster_id)

@@ -13,8 +13,8 @@ For a pipeline, the first stage reads ``batch(i, "inputs")`` and the last stage
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from torch import Tensor
@@ -37,7 +37,7 @@ class EvalBatch:
     count: int
     rows: int
 
-    def split(self, parts: int) -> list["EvalBatch"]:
+    def split(self, parts: int) -> list[EvalBatch]:
         """``parts`` equal microbatches (``rows`` must be divisible), each with its real rows."""
         if parts < 1 or self.rows % parts:
             raise DataError(f"eval batch of {self.rows} rows is not divisible into {parts} microbatches; use an "

@@ -20,7 +20,8 @@ The interface is the runtime's ``UnitData``: ``unit(u) -> (inputs, target)``, ``
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -219,7 +220,7 @@ class UnitLoader:
         """Stop the background workers (also done when the loader is garbage-collected)."""
         self._stream = None
 
-    def __enter__(self) -> "UnitLoader":
+    def __enter__(self) -> UnitLoader:
         return self
 
     def __exit__(self, *exc: Any) -> None:

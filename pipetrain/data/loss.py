@@ -16,8 +16,9 @@ and both are module-level dataclasses, so they pickle to worker processes.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,7 @@ class MeanSquaredError:
         return F.mse_loss(logits, target.to(logits.dtype))
 
 
-def target_dtype_of(data: Union[DataSource, torch.dtype, Tensor]) -> torch.dtype:
+def target_dtype_of(data: DataSource | torch.dtype | Tensor) -> torch.dtype:
     """The target dtype of a source, a target tensor, or a dtype itself."""
     if isinstance(data, DataSource):
         if data.synthetic:
@@ -68,7 +69,7 @@ def target_dtype_of(data: Union[DataSource, torch.dtype, Tensor]) -> torch.dtype
     raise DataError(f"loss_for takes a DataSource, a target tensor or a torch.dtype, got {type(data).__name__}")
 
 
-def loss_for(data: Union[DataSource, torch.dtype, Tensor], bundle_loss: LossFn | None = None) -> LossFn:
+def loss_for(data: DataSource | torch.dtype | Tensor, bundle_loss: LossFn | None = None) -> LossFn:
     """The loss for targets like ``data``'s: ``bundle_loss`` if given, else by target dtype.
 
     Raises:

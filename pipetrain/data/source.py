@@ -12,8 +12,9 @@ the runtime keeps drawing batches from the model's ``make_batch``.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Sequence, Union
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
@@ -37,7 +38,7 @@ targets, a stage that is both (one stage, or data parallelism) reads both."""
 Inputs = tuple[Tensor, ...]
 Item = tuple[Inputs, Tensor]
 """One sample normalized: a tuple of input tensors and a target tensor (no batch dimension)."""
-Batch = tuple[Inputs, Union[Tensor, None]]
+Batch = tuple[Inputs, Tensor | None]
 """A batch as the runtime consumes it: ``(inputs, target)`` with batch dimension 0; a part not
 loaded is ``()`` (inputs) or ``None`` (target)."""
 

@@ -15,7 +15,8 @@ The task follows the targets (see :func:`~pipetrain.data.source.source_from_exam
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from torch.utils.data import IterableDataset
 

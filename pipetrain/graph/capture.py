@@ -34,8 +34,9 @@ import logging
 import operator
 import os
 import traceback
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -486,6 +487,7 @@ def _build(model: nn.Module, gm: torch.fx.GraphModule, method: str,
     for n in gm_nodes:
         if n.op == "get_attr":
             folded[n.name] = []
+            val: torch.Tensor | None
             try:
                 val = gm.get_parameter(str(n.target))
             except AttributeError:

@@ -5,7 +5,8 @@ the reference: :func:`run_node_by_node` must reproduce the model's output exactl
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.fx

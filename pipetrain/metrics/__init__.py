@@ -49,7 +49,8 @@ from .target import TargetTracker, validate_target_accuracy, validate_target_los
 
 __all__ = [
     "ROW_KEYS", "TASK_KINDS", "CompareRow", "EvalAccumulator", "EvalResult", "MetricsLogger", "Progress",
-    "TargetTracker", "TaskKind", "TrainClock", "TrainPoint", "format_table", "prepare_log_dir", "read_metrics", "rows_to_json", "task_kind_of", "validate_target_accuracy",
+    "TargetTracker", "TaskKind", "TrainClock", "TrainPoint", "format_table", "prepare_log_dir", "read_metrics",
+    "rows_to_json", "task_kind_of", "validate_target_accuracy",
     "validate_target_loss", "write_plots", "write_run_files",
 ]
 

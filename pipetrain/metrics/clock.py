@@ -13,8 +13,8 @@ around each evaluation:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 
 class TrainClock:

@@ -50,7 +50,7 @@ class CompareRow:
 
     @staticmethod
     def from_tracker(schedule: str, tracker: TargetTracker, samples_per_second: float,
-                     bytes_per_sample: float | None) -> "CompareRow":
+                     bytes_per_sample: float | None) -> CompareRow:
         """The row of a run whose evaluations were fed to ``tracker``."""
         last = tracker.last
         return CompareRow(

@@ -27,8 +27,9 @@ saw no eval batch contribute zeros.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -143,7 +144,7 @@ class EvalAccumulator:
         self.samples += int(samples)
         self.batches += int(batches)
 
-    def merge(self, other: "EvalAccumulator") -> "EvalAccumulator":
+    def merge(self, other: EvalAccumulator) -> EvalAccumulator:
         """A new accumulator holding the sums of both (as if one had seen every batch)."""
         out = EvalAccumulator(kind=self.kind, ignore_index=self.ignore_index)
         out._set_kind(other.kind)
@@ -160,7 +161,7 @@ class EvalAccumulator:
         return torch.tensor(values, dtype=torch.float64)
 
     @staticmethod
-    def from_tensor(packed: Tensor, ignore_index: int = -100) -> "EvalAccumulator":
+    def from_tensor(packed: Tensor, ignore_index: int = -100) -> EvalAccumulator:
         """Unpack :meth:`to_tensor` or an element-wise sum of several (e.g. after all_reduce)."""
         v = [float(x) for x in packed.detach().to("cpu", torch.float64).reshape(-1).tolist()]
         if len(v) != PACKED_SIZE:
@@ -181,7 +182,7 @@ class EvalAccumulator:
                 "samples": self.samples, "batches": self.batches}
 
     @staticmethod
-    def from_dict(d: dict[str, Any], ignore_index: int = -100) -> "EvalAccumulator":
+    def from_dict(d: dict[str, Any], ignore_index: int = -100) -> EvalAccumulator:
         """Inverse of :meth:`to_dict`."""
         acc = EvalAccumulator(kind=d.get("kind"), ignore_index=ignore_index)
         acc.add(d["loss_sum"], d["correct"], d["targets"], d["samples"], d["batches"])
@@ -214,7 +215,7 @@ class EvalAccumulator:
                           perplexity=self.perplexity, wall_time=wall_time, task=self.kind or "classification",
                           eval_samples=self.samples, eval_targets=self.targets)
 
-    def all_reduce(self, group: Any = None, device: torch.device | str | None = None) -> "EvalAccumulator":
+    def all_reduce(self, group: Any = None, device: torch.device | str | None = None) -> EvalAccumulator:
         """The merge of this rank's accumulator with every other rank's in ``group`` (a
         collective: every rank of the group calls it; ranks without eval batches pass an empty
         accumulator). Needs an initialized ``torch.distributed`` process group; ``device`` is

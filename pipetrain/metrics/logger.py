@@ -86,7 +86,8 @@ class MetricsLogger:
     def __init__(self, log_dir: str | os.PathLike[str], *, tensorboard: bool = True, append: bool = False) -> None:
         self.log_dir = prepare_log_dir(log_dir)
         self.path = self.log_dir / METRICS_FILE
-        self._file: IO[str] | None = open(self.path, "a" if append else "w", encoding="utf-8")
+        # Held open for the logger's lifetime; closed by close()/__exit__.
+        self._file: IO[str] | None = open(self.path, "a" if append else "w", encoding="utf-8")  # noqa: SIM115
         self._tb: Any = _open_summary_writer(self.log_dir) if tensorboard else None
 
     @property
@@ -136,7 +137,7 @@ class MetricsLogger:
             self._tb.close()
             self._tb = None
 
-    def __enter__(self) -> "MetricsLogger":
+    def __enter__(self) -> MetricsLogger:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

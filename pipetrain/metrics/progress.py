@@ -20,8 +20,9 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from types import TracebackType
-from typing import Any, Callable, TextIO
+from typing import Any, TextIO
 
 from .records import EvalResult
 
@@ -155,7 +156,7 @@ class Progress:
             self._bar.close()
             self._bar = None
 
-    def __enter__(self) -> "Progress":
+    def __enter__(self) -> Progress:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,

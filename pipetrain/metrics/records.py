@@ -54,7 +54,7 @@ class EvalResult:
         return {k: _json_number(v) for k, v in asdict(self).items()}
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "EvalResult":
+    def from_dict(d: dict[str, Any]) -> EvalResult:
         """Inverse of :meth:`to_dict` (unknown keys such as a JSON line's ``kind`` are ignored)."""
         loss = d.get("loss")
         return EvalResult(
@@ -89,7 +89,7 @@ class TrainPoint:
         return {k: _json_number(v) for k, v in asdict(self).items()}
 
     @staticmethod
-    def from_dict(d: dict[str, Any]) -> "TrainPoint":
+    def from_dict(d: dict[str, Any]) -> TrainPoint:
         """Inverse of :meth:`to_dict` (e.g. a point sent from a worker to the driving process)."""
         return TrainPoint(step=int(d["step"]), epoch=float(d["epoch"]), samples=int(d.get("samples", 0)),
                           loss=_opt_float(d.get("loss")), samples_per_second=_opt_float(d.get("samples_per_second")),

@@ -91,9 +91,7 @@ class TargetTracker:
     def _meets(self, r: EvalResult) -> bool:
         if self.target_accuracy is not None and not (r.accuracy is not None and r.accuracy >= self.target_accuracy):
             return False
-        if self.target_loss is not None and not (math.isfinite(r.loss) and r.loss <= self.target_loss):
-            return False
-        return True
+        return self.target_loss is None or (math.isfinite(r.loss) and r.loss <= self.target_loss)
 
     @property
     def reached(self) -> bool:

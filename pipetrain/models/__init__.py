@@ -12,7 +12,13 @@ from .bundle import ModelBundle, classification_loss, mse_loss, token_loss
 from .loader import load_model, wrap_model
 from .output import output_logits
 from .registry import (
-    EXTRA_MODEL_NAMES, MODEL_NAMES, TINY_OPTIONS, build_model, default_batch_size, default_options, get_model,
+    EXTRA_MODEL_NAMES,
+    MODEL_NAMES,
+    TINY_OPTIONS,
+    build_model,
+    default_batch_size,
+    default_options,
+    get_model,
 )
 
 __all__ = [

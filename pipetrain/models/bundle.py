@@ -9,8 +9,9 @@ CPU, so a seeded generator gives the same batch in every process and on every ru
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -215,7 +216,7 @@ class TensorSpec:
         return torch.randint(0, self.high, size, generator=generator, device="cpu").to(self.dtype)
 
     @staticmethod
-    def like(t: Tensor) -> "TensorSpec":
+    def like(t: Tensor) -> TensorSpec:
         """The spec of an example tensor (integers: ``high = max + 1``, at least 1)."""
         high = 1
         if t.numel() and not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool):

@@ -39,6 +39,8 @@ DEFAULT_BATCH_SIZE = 16
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention with separate Q, K, V projections."""
 
+    causal_mask: Tensor  # a buffer (registered in __init__)
+
     def __init__(self, d_model: int, heads: int, seq_len: int, dropout: float = 0.0) -> None:
         super().__init__()
         self.heads = heads

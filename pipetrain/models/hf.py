@@ -58,7 +58,9 @@ def _build(o: dict[str, Any]) -> LogitsOnly:
     except ImportError as exc:
         raise ModelError(f"model {NAME!r} needs the transformers package ({exc}); "
                          f"install it with `pip install transformers` or pick a built-in model") from None
-    config = GPT2Config(
+    # attn_implementation goes through PreTrainedConfig's **kwargs, which GPT2Config's
+    # dataclass signature (all mypy sees) does not show.
+    config = GPT2Config(  # type: ignore[call-arg]
         vocab_size=o["vocab"], n_positions=o["seq_len"], n_embd=o["d_model"], n_layer=o["layers"],
         n_head=o["heads"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
         tie_word_embeddings=False, bos_token_id=o["vocab"] - 1, eos_token_id=o["vocab"] - 1,

@@ -13,15 +13,22 @@ import importlib
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import ModelError, PipetrainError
 from .bundle import (
-    ModelBundle, RandomLikeBatches, TensorSpec, check_batch_size, describe_value, example_inputs, mse_loss,
+    ModelBundle,
+    RandomLikeBatches,
+    TensorSpec,
+    check_batch_size,
+    describe_value,
+    example_inputs,
+    mse_loss,
 )
 from .output import output_logits
 from .registry import get_model

@@ -9,8 +9,10 @@ the rule, the value and the model's valid options with their defaults::
 """
 from __future__ import annotations
 
+import builtins
 import difflib
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ..errors import ModelError
 
@@ -92,7 +94,8 @@ class Options:
             raise self.fail(name, "True or False")
         return value
 
-    def int_tuple(self, name: str, length: int, minimum: int = 1) -> tuple[int, ...]:
+    # ``builtins.int``: inside this class body, ``int`` names the method above.
+    def int_tuple(self, name: str, length: builtins.int, minimum: builtins.int = 1) -> tuple[builtins.int, ...]:
         """A sequence of ``length`` integers >= ``minimum``, stored back as a tuple."""
         value = self.values[name]
         ok = isinstance(value, (tuple, list)) and len(value) == length and all(

@@ -10,7 +10,7 @@ Public API::
 from __future__ import annotations
 
 from .api import PlanOptions, plan
-from .baselines import baselines, data_parallel_plan, uniform_plan, balanced_by_parameters, balanced_by_time
+from .baselines import balanced_by_parameters, balanced_by_time, baselines, data_parallel_plan, uniform_plan
 from .cost import COST_MODELS, CostParams, data_parallel_time, evaluate, evaluate_detail
 from .memory import SCHEDULES, stage_memory
 from .topology import parse_quantity, parse_topology

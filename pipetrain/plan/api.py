@@ -70,10 +70,11 @@ class PlanOptions:
                             f"pass e.g. 4, or None to let the planner choose")
         if self.memory_limit is not None and not (
                 isinstance(self.memory_limit, (int, float)) and 0 < self.memory_limit < math.inf):
-            raise PlanError(f"memory_limit (--memory) must be positive finite bytes or None, got {self.memory_limit!r}; "
-                            f"pass e.g. 16e9")
+            raise PlanError("memory_limit (--memory) must be positive finite bytes or None, "
+                            f"got {self.memory_limit!r}; pass e.g. 16e9")
         if not _is_int(self.microbatches) or self.microbatches < 1:
-            raise PlanError(f"microbatches (--microbatches) must be an integer >= 1, got {self.microbatches!r}; pass e.g. 4")
+            raise PlanError(f"microbatches (--microbatches) must be an integer >= 1, got {self.microbatches!r}; "
+                            "pass e.g. 4")
         if not _is_int(self.max_states) or self.max_states < 3:
             raise PlanError(f"max_states (--max-states) must be an integer >= 3, got {self.max_states!r}; "
                             f"the default 2048 suits most models")
@@ -126,16 +127,20 @@ def plan(profile: Profile, topology: Topology, options: PlanOptions | None = Non
     layers = int((~dag.is_input).sum())
     if options.num_stages is not None:
         if options.num_stages > layers:
-            raise PlanError(f"num_stages={options.num_stages} is more stages than layers ({layers}); ask for at most {layers}")
+            raise PlanError(f"num_stages={options.num_stages} is more stages than layers ({layers}); "
+                            f"ask for at most {layers}")
         if options.num_stages > N:
-            raise PlanError(f"num_stages={options.num_stages} needs at least one worker a stage but the topology has {N}; add workers or ask for fewer stages")
+            raise PlanError(f"num_stages={options.num_stages} needs at least one worker a stage but the topology has "
+                            f"{N}; add workers or ask for fewer stages")
         if len(topology.levels) > 1:
-            raise PlanError("num_stages is supported on flat topologies only; give one level (e.g. --workers 16) or drop --stages")
+            raise PlanError("num_stages is supported on flat topologies only; give one level (e.g. --workers 16) or "
+                            "drop --stages")
     limit = options.memory_limit if options.memory_limit is not None else topology.memory_per_worker
     states = _states_for(dag, topology, options)
     if options.num_stages is not None and states.k - 1 < options.num_stages:
         raise PlanError(
-            f"num_stages={options.num_stages} exceeds the {states.k - 1} cut points the planner kept; raise max_states or ask for fewer stages"
+            f"num_stages={options.num_stages} exceeds the {states.k - 1} cut points the planner kept; "
+            "raise max_states or ask for fewer stages"
         )
     mem = MemoryModel(options.schedule, options.microbatches, profile.optimizer_state_bytes_per_parameter_byte)
     prob = Problem(dag=dag, states=states, model=model, topology=topology, straight=options.straight,
@@ -148,8 +153,9 @@ def plan(profile: Profile, topology: Topology, options: PlanOptions | None = Non
                 "ceil(N / r) minibatches, an upper bound)" if len(topology.levels) > 1 else "")
         raise PlanError(
             f"no plan fits in {limit:.4g} bytes per worker on {N} workers with schedule {options.schedule!r}"
-            f"{' and ' + str(options.num_stages) + ' stages' if options.num_stages else ''}; the smallest memory per worker "
-            f"that fits is {what}{note}; raise --memory, add workers, or use a schedule that stashes less (flush, 2bw)"
+            f"{' and ' + str(options.num_stages) + ' stages' if options.num_stages else ''}; "
+            f"the smallest memory per worker that fits is {what}{note}; "
+            "raise --memory, add workers, or use a schedule that stashes less (flush, 2bw)"
         )
     if options.use_all_workers:
         fill_idle(prob, sol.elements)

@@ -14,7 +14,8 @@ stages fill the servers in order (:func:`~pipetrain.plan.cost.infer_hierarchy`).
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..profile.types import Profile
 from .cost import DEFAULT_COST_MODEL, CostParams, data_parallel_time, evaluate_detail

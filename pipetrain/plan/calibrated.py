@@ -30,9 +30,10 @@ which is exactly the measured fit for ``m = n``. What the model leaves out is li
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from ..simulate.costs import StageCosts
@@ -50,7 +51,7 @@ __all__ = ["MEASURE", "resolve_calibration", "calibrated_params", "calibrated_to
 MEASURE = "measure"
 
 
-def resolve_calibration(value: "str | Path | Calibration | None") -> "Calibration | None":
+def resolve_calibration(value: str | Path | Calibration | None) -> Calibration | None:
     """A calibration from a file path, ``"measure"`` (2 ranks on loopback, now), or as given.
 
     Raises CalibrationError (a PipetrainError) when the file is missing or malformed.
@@ -66,26 +67,26 @@ def resolve_calibration(value: "str | Path | Calibration | None") -> "Calibratio
     return load_calibration(value)
 
 
-def ring_step_latency(cal: "Calibration") -> float:
+def ring_step_latency(cal: Calibration) -> float:
     """Seconds per ring step: the measured all-reduce latency over its ``2 (n-1)`` steps."""
     n = max(int(cal.allreduce_ranks), 2)
     return cal.allreduce.latency_seconds / (2.0 * (n - 1))
 
 
-def calibrated_params(cal: "Calibration", minibatches: int = 100) -> CostParams:
+def calibrated_params(cal: Calibration, minibatches: int = 100) -> CostParams:
     """The ``pipetrain`` cost model's constants from a calibration (module docstring)."""
     return CostParams(latency=cal.p2p.latency_seconds, overlap=0.0, minibatches=minibatches,
                       allreduce_bandwidth=cal.allreduce_bus_bandwidth, allreduce_latency=ring_step_latency(cal))
 
 
-def calibrated_topology(cal: "Calibration", workers: int, memory_per_worker: float | None = None) -> Topology:
+def calibrated_topology(cal: Calibration, workers: int, memory_per_worker: float | None = None) -> Topology:
     """A flat topology of ``workers`` at the calibration's point-to-point bandwidth."""
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise PlanError(f"workers must be an integer >= 1, got {workers!r}; pass the number of worker processes")
     return cal.topology(workers, memory_per_worker)
 
 
-def plan_with_calibration(profile: "Profile", workers: int, cal: "Calibration", options: Any = None) -> Plan:
+def plan_with_calibration(profile: Profile, workers: int, cal: Calibration, options: Any = None) -> Plan:
     """:func:`pipetrain.plan.api.plan` on ``workers`` with the calibrated topology and costs.
 
     ``options`` (a PlanOptions) keeps its other fields; its cost model must be ``pipetrain``
@@ -104,7 +105,7 @@ def plan_with_calibration(profile: "Profile", workers: int, cal: "Calibration", 
     return result
 
 
-def calibration_summary(cal: "Calibration") -> dict[str, Any]:
+def calibration_summary(cal: Calibration) -> dict[str, Any]:
     """The figures the planner used, for ``Plan.extra`` and reports."""
     return {"where": cal.where, "hosts": cal.hosts, "measured_at": cal.measured_at,
             "bandwidth_limit_bits_per_second": cal.bandwidth_limit_bits_per_second,
@@ -131,7 +132,7 @@ class CalibratedStageCosts(StageCosts):
         return 2 * (r - 1) / r * nbytes / self.allreduce_bandwidth + 2 * (r - 1) * self.allreduce_step_latency
 
 
-def calibrated_costs(plan: Plan, profile: "Profile", cal: "Calibration", units: int = 1,
+def calibrated_costs(plan: Plan, profile: Profile, cal: Calibration, units: int = 1,
                      step_time: float | Sequence[float] = 0.0) -> CalibratedStageCosts:
     """The simulator's costs of ``plan`` from ``profile`` on the calibrated network.
 
@@ -139,9 +140,13 @@ def calibrated_costs(plan: Plan, profile: "Profile", cal: "Calibration", units: 
     full-duplex link); all-reduces the calibrated ring time (module docstring).
     ``step_time``: seconds of one optimizer step, for every stage or one per stage.
     """
-    steps = [float(step_time)] * plan.num_stages if isinstance(step_time, (int, float)) else [float(x) for x in step_time]
+    if isinstance(step_time, (int, float)):
+        steps = [float(step_time)] * plan.num_stages
+    else:
+        steps = [float(x) for x in step_time]
     if len(steps) != plan.num_stages or any(not 0 <= x < float("inf") for x in steps):
-        raise PlanError(f"step_time needs one finite value >= 0 or one per stage ({plan.num_stages}), got {step_time!r}")
+        raise PlanError(f"step_time needs one finite value >= 0 or one per stage ({plan.num_stages}), "
+                        f"got {step_time!r}")
     base = StageCosts.from_plan(plan, profile, calibrated_topology(cal, max(plan.num_workers, 1)), units=units,
                                 latency=cal.p2p.latency_seconds)
     return CalibratedStageCosts(stages=[replace(c, step_time=x) for c, x in zip(base.stages, steps)],
@@ -150,7 +155,7 @@ def calibrated_costs(plan: Plan, profile: "Profile", cal: "Calibration", units: 
                                 allreduce_step_latency=ring_step_latency(cal))
 
 
-def predict_run(plan: Plan, profile: "Profile", cal: "Calibration", schedule: str, *, microbatches: int | None = None,
+def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *, microbatches: int | None = None,
                 steps: int = 8, options: Mapping[str, Any] | None = None,
                 step_time: float | Sequence[float] = 0.0) -> dict[str, Any]:
     """Simulate ``schedule`` on ``plan`` with calibrated costs: time per minibatch and bytes.

@@ -45,8 +45,9 @@ the quadratic in ``m`` exactly.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -135,7 +136,8 @@ class CostModel:
 
     def term_at(self, prep: dict[str, Any], idx: np.ndarray, m: np.ndarray) -> np.ndarray:
         """:meth:`term` of the prepared elements ``idx`` with replicas ``m``."""
-        return self.term(prep["lv"], prep["E"][idx], prep["Bw"][idx], prep["P"][idx], prep["Xs"][idx], prep["Xe"][idx], m)
+        return self.term(prep["lv"], prep["E"][idx], prep["Bw"][idx], prep["P"][idx], prep["Xs"][idx],
+                         prep["Xe"][idx], m)
 
     def min_replicas(self, prep: dict[str, Any], tau: float, exact: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """For each prepared element: whether 1 replica meets ``term <= tau``, and the least
@@ -307,15 +309,18 @@ def stage_arrays(profile: Profile, stages: Sequence[Sequence[str]]) -> StageArra
             raise PlanError(f"stage {k} has no nodes; every stage needs at least one layer; remove it")
         for name in nodes:
             if name in where:
-                raise PlanError(f"node {name!r} is in stages {where[name]} and {k}; each node belongs to exactly one stage")
+                raise PlanError(f"node {name!r} is in stages {where[name]} and {k}; "
+                                "each node belongs to exactly one stage")
             where[name] = k
     names = set(profile.names)
     unknown = [n for n in where if n not in names]
     if unknown:
-        raise PlanError(f"stages name nodes not in the profile ({', '.join(unknown[:5])}); plan and profile disagree; re-plan with this profile")
+        raise PlanError(f"stages name nodes not in the profile ({', '.join(unknown[:5])}); plan and profile disagree; "
+                        "re-plan with this profile")
     missing = [n for n in profile.names if n not in where]
     if missing:
-        raise PlanError(f"{len(missing)} nodes are in no stage ({', '.join(missing[:5])}); every node must belong to a stage")
+        raise PlanError(f"{len(missing)} nodes are in no stage ({', '.join(missing[:5])}); "
+                        "every node must belong to a stage")
     P = len(stages)
     comp = [0.0] * P
     bwd = [0.0] * P
@@ -328,7 +333,8 @@ def stage_arrays(profile: Profile, stages: Sequence[Sequence[str]]) -> StageArra
             raise PlanError(f"input node {nd.name!r} is in stage {k}; model inputs belong to stage 0; move it")
         for src in nd.inputs:
             if where[src] > k:
-                raise PlanError(f"edge {src} -> {nd.name} goes from stage {where[src]} back to stage {k}; stages must follow the data flow")
+                raise PlanError(f"edge {src} -> {nd.name} goes from stage {where[src]} back to stage {k}; "
+                                "stages must follow the data flow")
         if not nd.is_input:
             comp[k] += nd.forward_time + nd.backward_time
             bwd[k] += nd.backward_time
@@ -337,7 +343,8 @@ def stage_arrays(profile: Profile, stages: Sequence[Sequence[str]]) -> StageArra
         act[k] += nd.activation_bytes
     for k in range(P):
         if layers[k] == 0:
-            raise PlanError(f"stage {k} holds only model inputs; every stage needs a layer; merge it into the next stage")
+            raise PlanError(f"stage {k} holds only model inputs; every stage needs a layer; "
+                            "merge it into the next stage")
     # X_k: outputs of nodes in stages < k read by nodes in stages >= k. Model inputs count too:
     # they live in stage 0 and the runtime relays them to a later reader (docs/traffic.md), so
     # X_k is exactly the activation bytes of one minibatch the runtime sends across cut k.
@@ -391,7 +398,8 @@ def infer_hierarchy(replicas: Sequence[int], topology: Topology) -> list[dict[st
                 used += r
             else:
                 raise PlanError(
-                    f"stage {k} has {r} replicas, which is neither below nor a multiple of the {U} workers of a level-{level} unit; "
+                    f"stage {k} has {r} replicas, which is neither below nor a multiple of the {U} workers of a "
+                    f"level-{level} unit; "
                     f"give it a multiple of {U} replicas or plan on a flat topology"
                 )
         flush()
@@ -410,7 +418,8 @@ def check_hierarchy(hier: Sequence[dict[str, Any]], replicas: Sequence[int], top
         budget = topology.levels[level].workers
         total = sum(int(e["replicas"]) for e in elems)
         if total > budget or any(int(e["replicas"]) < 1 for e in elems):
-            raise PlanError(f"a level-{level} pipeline uses {total} units but the level has {budget}; fix the plan's hierarchy")
+            raise PlanError(f"a level-{level} pipeline uses {total} units but the level has {budget}; "
+                            "fix the plan's hierarchy")
         for e in elems:
             if level == 0:
                 if "stage" not in e:
@@ -419,7 +428,8 @@ def check_hierarchy(hier: Sequence[dict[str, Any]], replicas: Sequence[int], top
                 flat[int(e["stage"])] = mult * int(e["replicas"])
             else:
                 if "children" not in e:
-                    raise PlanError(f"the plan's hierarchy has {h - level} levels, the topology {h}; re-plan on this topology")
+                    raise PlanError(f"the plan's hierarchy has {h - level} levels, the topology {h}; "
+                                    "re-plan on this topology")
                 walk(e["children"], level - 1, mult * int(e["replicas"]))
 
     walk(hier, h - 1, 1)
@@ -513,7 +523,8 @@ def evaluate_detail(profile: Profile, stages: Plan | Sequence[Stage], topology: 
     for k in range(1, len(stage_list)):
         if arr.cuts[k] > 0:
             latency += 2.0 * (arr.cuts[k] / topology.levels[boundary_level[k]].bandwidth + alpha)
-    return Evaluation(model.total(steady, latency), steady, latency, stage_terms, level_terms, sync, arr.cuts, list(hierarchy))
+    return Evaluation(model.total(steady, latency), steady, latency, stage_terms, level_terms, sync, arr.cuts,
+                      list(hierarchy))
 
 
 def evaluate(profile: Profile, stages: Plan | Sequence[Stage], topology: Topology | None = None,

@@ -16,7 +16,8 @@ Input nodes always go to stage 0 (design.md).
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RuntimeConfigError
 from .baselines import block_partition
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
 __all__ = ["estimate_node_costs", "split_by_config", "split_at_cuts", "node_modules", "stage_first_nodes"]
 
 
-def estimate_node_costs(captured: "CapturedModel") -> dict[str, float]:
+def estimate_node_costs(captured: CapturedModel) -> dict[str, float]:
     """A deterministic compute estimate per node (multiply-adds of the example batch).
 
     Nodes with weights cost ``2 * weights * rows`` where ``rows`` is the output's element
@@ -53,7 +54,7 @@ def estimate_node_costs(captured: "CapturedModel") -> dict[str, float]:
     return costs
 
 
-def split_by_config(captured: "CapturedModel", replicas: Sequence[int], model: str = "",
+def split_by_config(captured: CapturedModel, replicas: Sequence[int], model: str = "",
                     batch_size: int | None = None) -> Plan:
     """A plan cutting the graph into ``len(replicas)`` contiguous stages of balanced compute.
 
@@ -100,7 +101,7 @@ def _matches(node: Any, cut: str) -> bool:
     return any(q == cut or q.startswith(cut + ".") for q in node_modules(node))
 
 
-def split_at_cuts(captured: "CapturedModel", cuts: Sequence[str], replicas: Sequence[int], model: str = "",
+def split_at_cuts(captured: CapturedModel, cuts: Sequence[str], replicas: Sequence[int], model: str = "",
                   batch_size: int | None = None) -> Plan:
     """A plan whose stage ``k+1`` begins at the first node named ``cuts[k]``, or belonging to
     the module ``cuts[k]`` (``blocks.4``: the first node of that block; ``16``: child 16 of an

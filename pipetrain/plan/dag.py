@@ -27,8 +27,9 @@ cumulative compute, the state with the cheapest cut.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -55,7 +56,7 @@ class Dag:
         return len(self.names)
 
     @staticmethod
-    def from_profile(profile: Profile) -> "Dag":
+    def from_profile(profile: Profile) -> Dag:
         """Build the arrays (in a topological order); PlanError if the graph has a cycle."""
         from ..errors import ProfileError
         from ..profile.io import topological_nodes
@@ -182,7 +183,8 @@ def topological_orders(dag: Dag) -> list[list[int]]:
                     heapq.heappush(heap, (-counter if lifo else key(s), s))
         return out
 
-    orders = [list(range(n)), kahn(lambda i: (depth[i], i)), kahn(lambda i: i, lifo=True), kahn(lambda i: (start[i], i))]
+    orders = [list(range(n)), kahn(lambda i: (depth[i], i)), kahn(lambda i: i, lifo=True),
+              kahn(lambda i: (start[i], i))]
     out = []
     for o in orders:
         rest = [i for i in o if not dag.is_input[i]]
@@ -205,7 +207,8 @@ def build_states(dag: Dag, max_states: int = 4096) -> States:
         masks = np.zeros((len(ideals) + 1, n), dtype=bool)
         nbytes = (n + 7) // 8
         for row, m in enumerate(ideals, start=1):
-            masks[row] = np.unpackbits(np.frombuffer(m.to_bytes(nbytes, "little"), dtype=np.uint8), bitorder="little")[:n]
+            bits = np.frombuffer(m.to_bytes(nbytes, "little"), dtype=np.uint8)
+            masks[row] = np.unpackbits(bits, bitorder="little")[:n]
     else:
         exact, total, mode = False, None, "orders"
         rows: dict[bytes, np.ndarray] = {}

@@ -109,16 +109,71 @@ class MemoryModel:
         return math.floor((limit - fixed) / ub) if ub > 0 and limit - fixed >= ub else -1
 
 
+def node_held_bytes(profile: Profile) -> dict[str, float]:
+    """Bytes each node adds to what one minibatch holds from its forward to its backward.
+
+    With the profiler's saved-for-backward fields (``Profile.has_saved_bytes``): the new
+    storages the node's forward saves (``saved_bytes``), plus its output when a later node
+    saves it and the node itself did not (a ``ReLU`` saves its output, which the next
+    ``Linear`` saves again: counted once). A view's storage is its root's, so the root
+    carries it. This is what the runtime's ledger counts as ``activations``
+    (runtime/tensor_memory.py); weights are left out (counted per version). Without those
+    fields: every node's output (``activation_bytes``), the older rule.
+    """
+    if not profile.has_saved_bytes:
+        return {n.name: (0.0 if n.is_input else float(n.activation_bytes)) for n in profile.nodes}
+    read = {src for n in profile.nodes for src in n.saved_inputs}
+    out: dict[str, float] = {}
+    for n in profile.nodes:
+        if n.is_input:
+            out[n.name] = 0.0
+            continue
+        held = float(n.saved_bytes or 0)
+        if n.name in read and not n.output_saved:
+            held += n.activation_bytes
+        out[n.name] = held
+    return out
+
+
+def loss_held_bytes(profile: Profile) -> float:
+    """Bytes the loss keeps for its backward per minibatch (the last stage's; 0 if not measured).
+
+    The model's output, when the loss saves it, is counted unless the last node already
+    saves it (a network ending in a ReLU)."""
+    if profile.loss_saved_bytes is None:
+        return 0.0
+    extra = 0.0
+    if profile.loss_saves_output:
+        last = next((n for n in reversed(profile.nodes) if not n.is_input), None)
+        if last is not None and not last.output_saved:
+            extra = float(last.activation_bytes)
+    return float(profile.loss_saved_bytes) + extra
+
+
+def stage_held_bytes(profile: Profile, stages: Sequence[Sequence[str]]) -> list[float]:
+    """Bytes one minibatch holds at each stage (:func:`node_held_bytes` summed, the loss on the last)."""
+    held = node_held_bytes(profile)
+    out = [sum(held.get(n, 0.0) for n in nodes) for nodes in stages]
+    if out:
+        out[-1] += loss_held_bytes(profile)
+    return out
+
+
 def stage_memory(profile: Profile, stages: Sequence[Stage] | Plan, schedule: str = "pipedream",
                  microbatches: int = 1) -> list[float]:
-    """Bytes per worker of each stage of a plan under ``schedule`` (see the module docstring)."""
+    """Bytes per worker of each stage of a plan under ``schedule`` (see the module docstring).
+
+    ``a`` is what a minibatch really holds (:func:`stage_held_bytes`: autograd's saved
+    tensors when the profile measured them, the simulator's and the runtime ledger's
+    accounting); ``x``, the input crossing the cut, is the receive buffers."""
     stage_list = stages.stages if isinstance(stages, Plan) else list(stages)
     arr = stage_arrays(profile, [s.nodes for s in stage_list])
+    act = stage_held_bytes(profile, [s.nodes for s in stage_list]) if profile.has_saved_bytes else list(arr.act)
     model = MemoryModel(schedule, microbatches, profile.optimizer_state_bytes_per_parameter_byte)
     reps = [int(s.replicas) for s in stage_list]
     out = []
     for k in range(len(stage_list)):
-        out.append(model.bytes(arr.params[k], arr.act[k], arr.cuts[k], sum(reps[k:]), reps[k]))
+        out.append(model.bytes(arr.params[k], act[k], arr.cuts[k], sum(reps[k:]), reps[k]))
     return out
 
 

@@ -52,8 +52,8 @@ from ..errors import PlanError
 from .cost import CostModel, LevelCtx
 from .dag import Dag, States
 from .memory import MemoryModel, max_units_array
-from .types import Topology
 from .topology import unit_workers
+from .types import Topology
 
 TAU_INF = 1e300
 
@@ -106,7 +106,7 @@ class Element:
     replicas: int
     level: int
     term: float
-    children: list["Element"] = field(default_factory=list)
+    children: list[Element] = field(default_factory=list)
 
 
 # -- pair quantities ------------------------------------------------------------------------

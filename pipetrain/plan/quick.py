@@ -20,7 +20,8 @@ by rank 0 under an outer ``torchrun``), and handed to every worker.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from .cuts import split_by_config
 from .types import Plan, Topology
@@ -44,7 +45,7 @@ def _memory_model(schedule: str, known: tuple[str, ...]) -> str:
     return next(n for n in known if SCHEDULES[n].flushes and SCHEDULES[n].memory_rule == "one_f_one_b")
 
 
-def quick_plan(captured: "CapturedModel", inputs: tuple[Any, ...], *, batch_size: int, workers: int,
+def quick_plan(captured: CapturedModel, inputs: tuple[Any, ...], *, batch_size: int, workers: int,
                schedule: str, microbatches: int, schedule_options: Mapping[str, Any] | None = None,
                optimizer: str = "sgd", momentum: float = 0.0, threads: int | None = None,
                model_name: str = "", calibration: Any = None) -> tuple[Plan, str]:
@@ -65,10 +66,10 @@ def quick_plan(captured: "CapturedModel", inputs: tuple[Any, ...], *, batch_size
     """
     from ..errors import PipetrainError
     from ..schedule import get_schedule
-    from .api import PlanOptions, plan as run_planner
-    from .memory import SCHEDULES as MEMORY_MODELS
-
+    from .api import PlanOptions
+    from .api import plan as run_planner
     from .calibrated import plan_with_calibration, resolve_calibration
+    from .memory import SCHEDULES as MEMORY_MODELS
 
     cal = resolve_calibration(calibration)  # a bad file raises: the user asked for it
     fallback = split_by_config(captured, [1] * workers, model_name, batch_size)

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ..profile.types import Profile
 from .types import Plan
@@ -99,9 +100,9 @@ def refine_profile(profile: Profile, stages: Sequence[Sequence[str]], seconds: S
         f = secs / summed if summed > 0 and secs > 0 else 1.0
         for n in nodes:
             factor[n] = f
-    nodes = [replace(n, forward_time=n.forward_time * factor.get(n.name, 1.0),
-                     backward_time=n.backward_time * factor.get(n.name, 1.0)) for n in profile.nodes]
-    return Profile(profile.model, profile.batch_size, nodes, profile.device, profile.optimizer,
+    refined = [replace(n, forward_time=n.forward_time * factor.get(n.name, 1.0),
+                       backward_time=n.backward_time * factor.get(n.name, 1.0)) for n in profile.nodes]
+    return Profile(profile.model, profile.batch_size, refined, profile.device, profile.optimizer,
                    profile.optimizer_state_bytes_per_parameter_byte)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import PlanError
 from .types import Level, Topology
@@ -35,7 +35,8 @@ def parse_quantity(text: str | float | int, what: str = "bandwidth") -> float:
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         return float(text)
     if not isinstance(text, str):
-        raise PlanError(f"{what} must be a number or a string such as '10Gbit', got {type(text).__name__} {text!r}; fix the value")
+        raise PlanError(f"{what} must be a number or a string such as '10Gbit', got {type(text).__name__} {text!r}; "
+                        "fix the value")
     m = _QTY.match(str(text))
     unit = m.group(3) if m else ""
     low = unit.lower().removesuffix("/s").removesuffix("ps")
@@ -54,7 +55,8 @@ def _split(values: str | int | float | Sequence[int | float | str], what: str) -
     if isinstance(values, str):
         return [v for v in (p.strip() for p in values.replace("x", ",").split(",")) if v]
     if isinstance(values, bool) or values is None:
-        raise PlanError(f"{what} must be a number, a string like '4,4' or a list of numbers, got {values!r}; fix --{what}")
+        raise PlanError(f"{what} must be a number, a string like '4,4' or a list of numbers, got {values!r}; "
+                        f"fix --{what}")
     if isinstance(values, (int, float)):
         return [values]
     try:
@@ -114,11 +116,14 @@ def check_topology(topology: Topology) -> None:
         raise PlanError("the topology has no levels; build it with parse_topology('16', '1.25e9')")
     for i, lv in enumerate(topology.levels):
         if not isinstance(lv.workers, int) or lv.workers <= 0:
-            raise PlanError(f"level {i} has {lv.workers!r} workers; every level needs a positive integer count; fix the topology")
+            raise PlanError(f"level {i} has {lv.workers!r} workers; every level needs a positive integer count; "
+                            "fix the topology")
         if not (isinstance(lv.bandwidth, (int, float)) and lv.bandwidth > 0) or math.isinf(lv.bandwidth):
-            raise PlanError(f"level {i} has bandwidth {lv.bandwidth!r}; bandwidth must be positive bytes/s; fix the topology")
+            raise PlanError(f"level {i} has bandwidth {lv.bandwidth!r}; bandwidth must be positive bytes/s; "
+                            "fix the topology")
     if topology.memory_per_worker is not None and not topology.memory_per_worker > 0:
-        raise PlanError(f"memory_per_worker={topology.memory_per_worker!r} must be positive bytes or None; fix the topology")
+        raise PlanError(f"memory_per_worker={topology.memory_per_worker!r} must be positive bytes or None; "
+                        "fix the topology")
 
 
 def unit_workers(topology: Topology) -> list[int]:

@@ -66,7 +66,8 @@ if TYPE_CHECKING:
     from .types import Plan, Stage
 
 __all__ = [
-    "KINDS", "Traffic", "CutBytes", "ReduceBuffer", "TiedBuffer", "ring_allreduce_bytes", "predict_traffic", "bytes_per_sample",
+    "KINDS", "Traffic", "CutBytes", "ReduceBuffer", "TiedBuffer",
+    "ring_allreduce_bytes", "predict_traffic", "bytes_per_sample",
     "total_traffic", "traffic_report", "schedule_units", "plan_cut_bytes", "plan_stage_param_bytes", "plan_traffic",
 ]
 

@@ -38,7 +38,7 @@ class Topology:
         return n
 
     @staticmethod
-    def flat(workers: int, bandwidth: float, memory_per_worker: float | None = None) -> "Topology":
+    def flat(workers: int, bandwidth: float, memory_per_worker: float | None = None) -> Topology:
         return Topology((Level(workers, bandwidth),), memory_per_worker)
 
 
@@ -114,7 +114,7 @@ class Plan:
         return d
 
     @staticmethod
-    def from_dict(d: dict[str, Any], source: str = "<dict>") -> "Plan":
+    def from_dict(d: dict[str, Any], source: str = "<dict>") -> Plan:
         """Build a Plan from its JSON form (:meth:`to_dict`), checking its shape.
 
         Raises:
@@ -166,7 +166,8 @@ class Plan:
                 topology = Topology(tuple(Level(**lv) for lv in topo["levels"]), topo.get("memory_per_worker"))
             except (KeyError, TypeError, AttributeError) as e:
                 raise PlanError(f"{source}: field 'topology' is malformed ({type(e).__name__}: {e}); it needs "
-                                f"'levels': [{{'workers': N, 'bandwidth': B}}, ...]; fix it or drop the field") from None
+                                "'levels': [{'workers': N, 'bandwidth': B}, ...]; "
+                                "fix it or drop the field") from None
         keys = {"model", "batch_size", "predicted_time", "data_parallel_time", "cost_model",
                 "solve_seconds", "extra", "version"}
         extra = d.get("extra", {})
@@ -185,7 +186,7 @@ class Plan:
                             f"(does the directory exist?)") from None
 
     @staticmethod
-    def load(path: str | Path) -> "Plan":
+    def load(path: str | Path) -> Plan:
         """Read a plan written by :meth:`save`; a one-line PlanError for any unreadable or malformed file."""
         from ..errors import PlanError
 
@@ -196,7 +197,8 @@ class Plan:
         try:
             text = p.read_text()
         except FileNotFoundError:
-            raise PlanError(f"plan file {str(path)!r} does not exist; create one with `pipetrain plan PROFILE ... --output {path}`") from None
+            raise PlanError(f"plan file {str(path)!r} does not exist; "
+                            f"create one with `pipetrain plan PROFILE ... --output {path}`") from None
         except (OSError, UnicodeDecodeError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise PlanError(f"cannot read plan file {str(path)!r} ({why}); pass a plan JSON written by "
@@ -204,5 +206,6 @@ class Plan:
         try:
             d = json.loads(text)
         except json.JSONDecodeError as e:
-            raise PlanError(f"plan file {str(path)!r} is not JSON ({e}); write it with `pipetrain plan ... --output FILE`") from None
+            raise PlanError(f"plan file {str(path)!r} is not JSON ({e}); "
+                            "write it with `pipetrain plan ... --output FILE`") from None
         return Plan.from_dict(d, str(path))

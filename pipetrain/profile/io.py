@@ -16,8 +16,9 @@ from __future__ import annotations
 import heapq
 import json
 import math
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import Any
 
 from ..errors import ProfileError
 from .types import PROFILE_VERSION, NodeProfile, Profile
@@ -36,7 +37,8 @@ def check_costs(node: NodeProfile, where: str) -> None:
         v = getattr(node, attr)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or math.isnan(v) or math.isinf(v) or v < 0:
             raise ProfileError(
-                f"{where}: node {node.name!r} has {attr}={v!r}; times and sizes must be finite numbers >= 0; fix the profile"
+                f"{where}: node {node.name!r} has {attr}={v!r}; times and sizes must be finite numbers >= 0; "
+                "fix the profile"
             )
 
 
@@ -88,7 +90,8 @@ def topological_nodes(nodes: list[NodeProfile], where: str,
             seen.add(i)
             i = next(pos[s] for s in nodes[i].inputs if pos[s] in left)
         raise ProfileError(
-            f"{where}: the graph has a cycle through node {nodes[i].name!r}; a profile must be a DAG; remove the edge that closes the cycle"
+            f"{where}: the graph has a cycle through node {nodes[i].name!r}; a profile must be a DAG; "
+            "remove the edge that closes the cycle"
         )
     return out
 
@@ -106,30 +109,38 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         "nodes": [
             {"name": n.name, "op": n.op, "kind": n.kind, "forward_time": n.forward_time,
              "backward_time": n.backward_time, "activation_bytes": n.activation_bytes,
-             "parameter_bytes": n.parameter_bytes, "inputs": list(n.inputs)}
+             "parameter_bytes": n.parameter_bytes, "inputs": list(n.inputs),
+             **({"saved_bytes": n.saved_bytes, "saved_inputs": list(n.saved_inputs), "output_saved": n.output_saved}
+                if n.saved_bytes is not None else {})}
             for n in profile.nodes
         ],
+        **({"loss_saved_bytes": profile.loss_saved_bytes, "loss_saves_output": profile.loss_saves_output}
+           if profile.loss_saved_bytes is not None else {}),
     }
 
 
 def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
     """Build and validate a Profile from its JSON (version 1) form; ``source`` names it in errors."""
     if not isinstance(d, dict):
-        raise ProfileError(f"{source}: a profile must be a JSON object, got {type(d).__name__}; write it with save_profile or `pipetrain profile`")
+        raise ProfileError(f"{source}: a profile must be a JSON object, got {type(d).__name__}; "
+                           "write it with save_profile or `pipetrain profile`")
     if "nodes" not in d and "stages" in d:
         raise ProfileError(
             f"{source} is a plan, not a profile (it has 'stages' but no 'nodes'); pass the profile the plan was "
             f"made from (a .json written by `pipetrain profile --output` or a PipeDream .txt)"
         )
     if "version" not in d:
-        raise ProfileError(f"{source}: missing field 'version'; a profile needs \"version\": {PROFILE_VERSION}; add it or regenerate the profile")
+        raise ProfileError(f"{source}: missing field 'version'; a profile needs \"version\": {PROFILE_VERSION}; "
+                           "add it or regenerate the profile")
     if d["version"] != PROFILE_VERSION:
         raise ProfileError(
-            f"{source}: profile version {d['version']!r} is not supported (this pipetrain reads version {PROFILE_VERSION}); regenerate it with `pipetrain profile`"
+            f"{source}: profile version {d['version']!r} is not supported (this pipetrain reads version "
+            f"{PROFILE_VERSION}); regenerate it with `pipetrain profile`"
         )
     raw = d.get("nodes")
     if not isinstance(raw, list):
-        raise ProfileError(f"{source}: field 'nodes' must be a list of node objects, got {type(raw).__name__}; add the nodes")
+        raise ProfileError(f"{source}: field 'nodes' must be a list of node objects, got {type(raw).__name__}; "
+                           "add the nodes")
     nodes: list[NodeProfile] = []
     for i, nd in enumerate(raw):
         if not isinstance(nd, dict):
@@ -137,7 +148,8 @@ def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
         label = nd.get("name", i)
         for f in REQUIRED_NODE_FIELDS:
             if f not in nd:
-                raise ProfileError(f"{source}: node {label!r} misses field {f!r}; every node needs {', '.join(REQUIRED_NODE_FIELDS)}; add it")
+                raise ProfileError(f"{source}: node {label!r} misses field {f!r}; "
+                                   f"every node needs {', '.join(REQUIRED_NODE_FIELDS)}; add it")
         if not isinstance(nd["name"], str) or not nd["name"]:
             raise ProfileError(f"{source}: node {i} has name={nd['name']!r}; node names must be non-empty strings; "
                                f"quote it, e.g. \"name\": \"{nd['name']}\"")
@@ -147,11 +159,14 @@ def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
                                f"{', '.join(NODE_KINDS)}; fix it (or drop it: the default is 'module')")
         inputs = nd.get("inputs", [])
         if not isinstance(inputs, list) or not all(isinstance(s, str) for s in inputs):
-            raise ProfileError(f"{source}: node {label!r} has inputs={inputs!r}; inputs must be a list of node names; fix it")
+            raise ProfileError(f"{source}: node {label!r} has inputs={inputs!r}; inputs must be a list of node names; "
+                               "fix it")
         node = NodeProfile(
             name=str(nd["name"]), op=str(nd.get("op", "")), forward_time=nd["forward_time"],
             backward_time=nd["backward_time"], activation_bytes=nd["activation_bytes"],
             parameter_bytes=nd["parameter_bytes"], inputs=list(inputs), kind=kind,
+            saved_bytes=_optional_bytes(nd.get("saved_bytes"), source, label, "saved_bytes"),
+            saved_inputs=[str(x) for x in nd.get("saved_inputs", [])], output_saved=bool(nd.get("output_saved", False)),
         )
         check_costs(node, source)
         nodes.append(node)
@@ -160,14 +175,27 @@ def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
         raise ProfileError(f"{source}: batch_size={batch!r} must be a positive integer or null; fix it")
     osb = d.get("optimizer_state_bytes_per_parameter_byte", 1.0)
     if not isinstance(osb, (int, float)) or isinstance(osb, bool) or not 0 <= osb < math.inf:
-        raise ProfileError(f"{source}: optimizer_state_bytes_per_parameter_byte={osb!r} must be a finite number >= 0; fix it")
+        raise ProfileError(f"{source}: optimizer_state_bytes_per_parameter_byte={osb!r} must be a finite number >= 0; "
+                           "fix it")
     if not nodes:
-        raise ProfileError(f"{source}: the profile has no nodes; profile a model with `pipetrain profile --model NAME --output FILE`")
+        raise ProfileError(f"{source}: the profile has no nodes; "
+                           "profile a model with `pipetrain profile --model NAME --output FILE`")
     return Profile(
         model=str(d.get("model", "")), batch_size=batch, nodes=topological_nodes(nodes, source),
         device=str(d.get("device", "unknown")), optimizer=str(d.get("optimizer", "sgd")),
         optimizer_state_bytes_per_parameter_byte=float(osb),
+        loss_saved_bytes=_optional_bytes(d.get("loss_saved_bytes"), source, "loss", "loss_saved_bytes"),
+        loss_saves_output=bool(d.get("loss_saves_output", False)),
     )
+
+
+def _optional_bytes(v: Any, source: str, label: Any, name: str) -> int | None:
+    """An optional byte count of a profile (None when absent); ProfileError unless an integer >= 0."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0 or v != int(v):
+        raise ProfileError(f"{source}: {label!r} has {name}={v!r}; it must be an integer >= 0 (bytes); fix it")
+    return int(v)
 
 
 def save_profile(profile: Profile, path: str | Path) -> None:
@@ -176,20 +204,24 @@ def save_profile(profile: Profile, path: str | Path) -> None:
         Path(path).write_text(json.dumps(profile_to_dict(profile), indent=1))
     except OSError as e:
         raise ProfileError(
-            f"cannot write profile {str(path)!r}: {e.strerror or e}; choose a writable file path (does the directory exist?)"
+            f"cannot write profile {str(path)!r}: {e.strerror or e}; "
+            "choose a writable file path (does the directory exist?)"
         ) from None
 
 
 def load_profile(path: str | Path) -> Profile:
     """Read a profile: PipeDream text for ``.txt``, JSON version 1 otherwise."""
     if not isinstance(path, (str, Path)) or not str(path):
-        raise ProfileError(f"a profile path must be a non-empty str or Path, got {path!r}; pass e.g. load_profile('model.json')")
+        raise ProfileError(f"a profile path must be a non-empty str or Path, got {path!r}; "
+                           "pass e.g. load_profile('model.json')")
     p = Path(path)
     if p.is_dir():
-        raise ProfileError(f"profile file {str(p)!r} is a directory; pass a profile file (.json, or PipeDream .txt) inside it")
+        raise ProfileError(f"profile file {str(p)!r} is a directory; "
+                           "pass a profile file (.json, or PipeDream .txt) inside it")
     if not p.is_file():
         raise ProfileError(
-            f"profile file {str(p)!r} does not exist; create one with `pipetrain profile MODEL --output {p.name}` or pass a PipeDream .txt profile"
+            f"profile file {str(p)!r} does not exist; "
+            f"create one with `pipetrain profile MODEL --output {p.name}` or pass a PipeDream .txt profile"
         )
     if p.suffix.lower() == ".txt":
         from .pipedream_txt import load_pipedream_txt
@@ -201,7 +233,8 @@ def load_profile(path: str | Path) -> Profile:
         raise ProfileError(f"cannot read profile file {str(p)!r} ({e.strerror or e}); check its permissions") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ProfileError(
-            f"profile file {str(p)!r} is not JSON ({e}); profiles are JSON version 1 or PipeDream text with a .txt extension; regenerate it"
+            f"profile file {str(p)!r} is not JSON ({e}); "
+            "profiles are JSON version 1 or PipeDream text with a .txt extension; regenerate it"
         ) from None
     return profile_from_dict(d, str(p))
 

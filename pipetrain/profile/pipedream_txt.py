@@ -1,8 +1,10 @@
 """Import of PipeDream's per-layer profile text format (``graph.txt``).
 
-Two kinds of lines (see ``shared/profiles/README.md``)::
+Two kinds of lines (see ``shared/profiles/README.md``): a node line (one line in the file,
+shown broken here after ``backward_compute_time``) and a tab-indented edge line::
 
-    node12 -- Conv2d(128, 256, ...) -- forward_compute_time=10.814, backward_compute_time=18.335, activation_size=411041792.000, parameter_size=1180672.000
+    node12 -- Conv2d(128, 256, ...) -- forward_compute_time=10.814, backward_compute_time=18.335,
+        activation_size=411041792.000, parameter_size=1180672.000
     \tnode11 -- node12
 
 Conversion rules:
@@ -68,7 +70,7 @@ def parse_pipedream_txt(text: str, source: str = "<string>", model: str = "",
         if not line.strip():
             continue
 
-        def bad(why: str) -> ProfileError:
+        def bad(why: str, lineno: int = lineno, line: str = line) -> ProfileError:
             return ProfileError(
                 f"{source}:{lineno}: cannot parse line {line.strip()[:120]!r} ({why}); expected "
                 f"'ID -- DESCRIPTION -- forward_compute_time=MS, backward_compute_time=MS, activation_size=BYTES, "
@@ -101,10 +103,12 @@ def parse_pipedream_txt(text: str, source: str = "<string>", model: str = "",
         for k in _METRICS:
             if not values[k] >= 0 or values[k] == float("inf"):
                 raise ProfileError(
-                    f"{source}:{lineno}: node {nid!r} has {k}={values[k]!r}; times and sizes must be finite numbers >= 0; fix the profile"
+                    f"{source}:{lineno}: node {nid!r} has {k}={values[k]!r}; "
+                    "times and sizes must be finite numbers >= 0; fix the profile"
                 )
         if nid in nodes:
-            raise ProfileError(f"{source}:{lineno}: node id {nid!r} appears twice; ids must be unique; remove or rename one")
+            raise ProfileError(f"{source}:{lineno}: node id {nid!r} appears twice; ids must be unique; "
+                               "remove or rename one")
         node = NodeProfile(
             name=nid, op=desc,
             forward_time=values["forward_compute_time"] / 1000.0,
@@ -121,7 +125,8 @@ def parse_pipedream_txt(text: str, source: str = "<string>", model: str = "",
         for end in (src, dst):
             if end not in nodes:
                 raise ProfileError(
-                    f"{source}: edge {src} -- {dst} names node {end!r}, which has no node line; add the node or remove the edge"
+                    f"{source}: edge {src} -- {dst} names node {end!r}, which has no node line; "
+                    "add the node or remove the edge"
                 )
     has_out = {src for src, _ in edges}
     dropped = {n for n in order if n not in has_out and nodes[n].op.startswith("__getitem__")}
@@ -141,7 +146,8 @@ def parse_pipedream_txt(text: str, source: str = "<string>", model: str = "",
 
     if batch_size is None:
         inputs = [n for n in kept if n.is_input]
-        if len(inputs) == 1 and inputs[0].activation_bytes > 0 and inputs[0].activation_bytes % IMAGENET_SAMPLE_BYTES == 0:
+        if (len(inputs) == 1 and inputs[0].activation_bytes > 0
+                and inputs[0].activation_bytes % IMAGENET_SAMPLE_BYTES == 0):
             batch_size = inputs[0].activation_bytes // IMAGENET_SAMPLE_BYTES
     return Profile(model=model, batch_size=batch_size, nodes=kept, device="unknown")
 
@@ -152,9 +158,11 @@ def load_pipedream_txt(path: str | Path, batch_size: int | None = None) -> Profi
     try:
         text = p.read_text()
     except FileNotFoundError:
-        raise ProfileError(f"profile file {str(p)!r} does not exist; pass the path of a PipeDream graph .txt file") from None
+        raise ProfileError(f"profile file {str(p)!r} does not exist; "
+                           "pass the path of a PipeDream graph .txt file") from None
     except UnicodeDecodeError as e:
         raise ProfileError(f"profile file {str(p)!r} is not text ({e}); pass a PipeDream graph .txt file") from None
     except OSError as e:
-        raise ProfileError(f"cannot read profile file {str(p)!r} ({e.strerror or e}); pass a readable PipeDream graph .txt file") from None
+        raise ProfileError(f"cannot read profile file {str(p)!r} ({e.strerror or e}); "
+                           "pass a readable PipeDream graph .txt file") from None
     return parse_pipedream_txt(text, source=str(p), model=p.stem, batch_size=batch_size)

@@ -26,7 +26,8 @@ import contextlib
 import math
 import statistics
 import time
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -54,7 +55,8 @@ def optimizer_state_factor(optimizer: str, momentum: float = 0.9) -> float:
             f"unknown optimizer {optimizer!r}; valid optimizers: {', '.join(OPTIMIZER_STATE_FACTORS)}"
         )
     if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < math.inf:
-        raise ProfileError(f"momentum must be a finite number >= 0, got {momentum!r}; pass e.g. momentum=0.9 (0: no momentum)")
+        raise ProfileError(f"momentum must be a finite number >= 0, got {momentum!r}; "
+                           "pass e.g. momentum=0.9 (0: no momentum)")
     if name == "sgd" and not momentum:
         return 0.0
     return OPTIMIZER_STATE_FACTORS[name]
@@ -204,16 +206,66 @@ class _NodeTimer:
                 bwd.append(t_bwd)
         return statistics.median(fwd), statistics.median(bwd), _leafify(out)
 
+    def run_once(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
+        """One untimed forward of ``node`` with autograd recording; its raw output."""
+        args, kwargs = self._args(node, env, is_inplace_node(node, self.gm))
+        with torch.enable_grad():
+            return getattr(self.interp, node.op)(node.target, args, kwargs)
+
+
+class _SavedBytes:
+    """What each node's forward saves for its backward, storage by storage (the memory model).
+
+    ``owner`` maps a storage to the node whose output first held it (a view's storage stays
+    its root's), so a saved tensor is either a weight (left out: counted once per version),
+    an earlier node's output (``saved_inputs``: that node's), or new (``saved_bytes``).
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.weights = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *gm.buffers()]}
+        self.owner: dict[int, str] = {}
+
+    def register(self, name: str, value: Any) -> None:
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                self.owner.setdefault(t.untyped_storage().data_ptr(), name)
+
+    def measure(self, run: Callable[[], Any]) -> tuple[Any, int, list[str], bool]:
+        """``run()`` under saved-tensor hooks: (output, new bytes, saved earlier nodes, output saved)."""
+        saved: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            st = t.untyped_storage()
+            saved[st.data_ptr()] = st.nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = run()
+        outs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
+        new, inputs, output_saved = 0, [], False
+        for ptr, nbytes in saved.items():
+            if ptr == 0 or ptr in self.weights:
+                continue
+            if ptr in self.owner:
+                if self.owner[ptr] not in inputs:
+                    inputs.append(self.owner[ptr])
+                continue
+            new += nbytes
+            output_saved = output_saved or ptr in outs
+        return out, new, inputs, output_saved
+
 
 def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | torch.Tensor, *,
                      batch_size: int | None = None, device: str | torch.device = "cpu",
                      warmup: int = 2, repeats: int = 5, optimizer: str = "sgd",
                      momentum: float = 0.9, model_name: str = "",
-                     threads: int | None = None) -> Profile:
+                     threads: int | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
+                     target: Any = None) -> Profile:
     """Profile an already captured model (its ``gm`` and ``example_inputs`` on ``device``).
 
     Same measurements and arguments as :func:`profile_model`; node names are
-    ``captured.graph``'s. Use this when the caller also needs the capture.
+    ``captured.graph``'s. Use this when the caller also needs the capture. With ``loss_fn``
+    and ``target`` the profile also records what the loss saves for backward.
     """
     _check_counts(warmup, repeats)
     dev = resolve_device(device)
@@ -235,18 +287,29 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
     timer = _NodeTimer(gm, dev, warmup, repeats)
     env: dict[str, Any] = {}
     times: dict[str, tuple[float, float]] = {}
+    saved = _SavedBytes(gm)
+    kept: dict[str, tuple[int, list[str], bool]] = {}
+    loss_saved: tuple[int, bool] | None = None
     with _num_threads(threads), _saved_grads([gm]), preserved_state(gm, [dev]):
         feed = iter(inputs)
         for node in gm.graph.nodes:
             if node.op == "placeholder":
                 env[node.name] = _leafify(next(feed))
+                saved.register(node.name, env[node.name])
             elif node.op == "get_attr":
                 env[node.name] = timer.interp.fetch_attr(str(node.target))
             elif node.op == "output":
+                if loss_fn is not None and target is not None:
+                    loss_saved = _loss_saved(saved, loss_fn, torch.fx.node.map_arg(node.args[0], lambda n: env[n.name]),
+                                             _to_device(target, dev))
                 break
             else:
-                f, b, out = timer.time(node, env)
-                env[node.name] = out
+                f, b, _ = timer.time(node, env)
+                # One more (untimed) run under saved-tensor hooks: what this node keeps for backward.
+                out, nbytes, ins, own = saved.measure(lambda: timer.run_once(node, env))
+                env[node.name] = _leafify(out)
+                saved.register(node.name, env[node.name])
+                kept[node.name] = (nbytes, ins, own)
                 times[node.name] = (f, b)
     env.clear()
 
@@ -257,11 +320,34 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
             name=ln.name, op=ln.op, forward_time=0.0 if ln.is_input else f,
             backward_time=0.0 if ln.is_input else b, activation_bytes=ln.activation_bytes,
             parameter_bytes=ln.parameter_bytes, inputs=list(ln.inputs), kind=ln.kind,
+            **({} if ln.is_input else _saved_fields(kept.get(ln.name))),
         ))
     return Profile(
         model=model_name, batch_size=batch_size, nodes=nodes, device=str(dev),
         optimizer=optimizer.lower(), optimizer_state_bytes_per_parameter_byte=factor,
+        loss_saved_bytes=loss_saved[0] if loss_saved else None, loss_saves_output=bool(loss_saved and loss_saved[1]),
     )
+
+
+def _saved_fields(kept: tuple[int, list[str], bool] | None) -> dict[str, Any]:
+    """NodeProfile's saved-for-backward fields (a node the graph never ran saves nothing)."""
+    nbytes, ins, own = kept if kept is not None else (0, [], False)
+    return {"saved_bytes": nbytes, "saved_inputs": list(ins), "output_saved": own}
+
+
+def _loss_saved(saved: _SavedBytes, loss_fn: Callable[[Any, Any], Any], output: Any,
+                target: Any) -> tuple[int, bool] | None:
+    """(new bytes, whether the model's output is saved) of ``loss_fn(output, target)``'s forward;
+    None if the loss cannot run on the graph's output as captured."""
+    saved.register("target", target)
+    if isinstance(output, (tuple, list)) and len(output) == 1:
+        output = output[0]
+    try:
+        with torch.enable_grad():
+            _, nbytes, ins, _ = saved.measure(lambda: loss_fn(output, target))
+    except Exception:  # noqa: BLE001 - a loss that needs the model's own output structure
+        return None
+    return nbytes, any(n != "target" for n in ins)
 
 
 def _model_device(model: nn.Module) -> torch.device | None:
@@ -340,10 +426,25 @@ def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.
     try:
         inputs = _to_device(inputs, dev)
         captured = capture(model, inputs)
+        loss_fn, target = _loss_and_target(model_or_bundle, inputs)
         return profile_captured(
             captured, inputs, batch_size=batch_size, device=dev, warmup=warmup, repeats=repeats,
             optimizer=optimizer, momentum=momentum, model_name=name, threads=threads,
+            loss_fn=loss_fn, target=target,
         )
     finally:
         if moved:
             model.to(home)
+
+
+def _loss_and_target(bundle: Any, inputs: tuple[Any, ...]) -> tuple[Any, Any]:
+    """A bundle's loss and a target for ``inputs``' batch size (``(None, None)`` for a bare module)."""
+    loss_fn, make_batch = getattr(bundle, "loss_fn", None), getattr(bundle, "make_batch", None)
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if loss_fn is None or make_batch is None or first is None:
+        return None, None
+    try:
+        _, target = make_batch(int(first.shape[0]), torch.Generator().manual_seed(0))
+    except Exception:  # noqa: BLE001 - a bundle whose make_batch cannot make this size
+        return None, None
+    return loss_fn, target

@@ -32,6 +32,10 @@ class NodeProfile:
     parameter_bytes: int
     inputs: list[str] = field(default_factory=list)
     kind: str = "module"
+    # -- what autograd keeps for the backward (the memory model, plan/memory.py); None: not measured
+    saved_bytes: int | None = None   # distinct new storages the forward saves (its output included if saved)
+    saved_inputs: list[str] = field(default_factory=list)  # earlier nodes whose output storage it saves
+    output_saved: bool = False       # whether ``saved_bytes`` includes this node's own output
 
     @property
     def is_input(self) -> bool:
@@ -53,6 +57,8 @@ class Profile:
     optimizer: str = "sgd"
     optimizer_state_bytes_per_parameter_byte: float = 1.0
     version: int = PROFILE_VERSION
+    loss_saved_bytes: int | None = None  # new storages the loss saves for backward (None: not measured)
+    loss_saves_output: bool = False      # whether the loss saves the model's output
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -81,6 +87,11 @@ class Profile:
     @property
     def total_parameter_bytes(self) -> int:
         return sum(n.parameter_bytes for n in self.nodes)
+
+    @property
+    def has_saved_bytes(self) -> bool:
+        """Whether every non-input node carries ``saved_bytes`` (measured by the profiler)."""
+        return all(n.saved_bytes is not None for n in self.nodes if not n.is_input)
 
     def edges(self) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []

@@ -10,8 +10,8 @@ and decides nothing; this package is the only one that plans.
 from __future__ import annotations
 
 from .checks import check_model_batch, check_output_paths, preflight
-from .resolve import implied_workers, resolve_batch_size, resolve_run
 from .launcher import train, under_torchrun
+from .resolve import implied_workers, resolve_batch_size, resolve_run
 
 __all__ = ["check_model_batch", "check_output_paths", "implied_workers", "preflight", "resolve_batch_size",
            "resolve_run", "train", "under_torchrun"]

@@ -32,9 +32,10 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from ..errors import PipetrainError, RuntimeConfigError
 from ..metrics import CompareRow, EvalResult, rows_to_json

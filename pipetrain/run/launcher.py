@@ -95,7 +95,9 @@ def _train_as_worker(cfg: TrainConfig) -> RunResult | None:
 
         try:
             check_output_paths(cfg)
-            box[0] = resolve_run(cfg, world)
+            # --checkpoint-dir: the latest checkpoint is of this model and a boundary of this run
+            # (cut_at), decided once on rank 0 as the local launcher does, then broadcast
+            box[0] = _check_checkpointing(resolve_run(cfg, world))
         except BaseException as e:  # every rank must hear of it, not wait at the broadcast
             error, box[0] = e, FailureRecord.of(0, e)
     dist.broadcast_object_list(box, src=0)

@@ -26,7 +26,8 @@ import os
 import pickle
 import sys
 import tempfile
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RuntimeConfigError
 
@@ -40,7 +41,7 @@ __all__ = ["cluster_train", "run_on_cluster", "result_from_json"]
 _MARK = "PIPETRAIN_ON_CLUSTER_RESULT "
 
 
-def result_from_json(d: dict[str, Any]) -> "RunResult":
+def result_from_json(d: dict[str, Any]) -> RunResult:
     """A RunResult from its :meth:`~pipetrain.runtime.result.RunResult.to_json` form (unknown keys dropped)."""
     from ..runtime.result import RunResult
 
@@ -48,8 +49,8 @@ def result_from_json(d: dict[str, Any]) -> "RunResult":
     return RunResult(**{k: v for k, v in d.items() if k in names})
 
 
-def cluster_train(cluster: "EmulatedCluster", *, nproc_per_node: int = 1,
-                  timeout: float = 3600.0) -> Callable[["TrainConfig"], "RunResult"]:
+def cluster_train(cluster: EmulatedCluster, *, nproc_per_node: int = 1,
+                  timeout: float = 3600.0) -> Callable[[TrainConfig], RunResult]:
     """``train(cfg) -> RunResult`` across ``cluster`` (module docstring).
 
     The configuration's ``workers`` must equal the cluster's processes (hosts x
@@ -58,7 +59,7 @@ def cluster_train(cluster: "EmulatedCluster", *, nproc_per_node: int = 1,
     """
     world = cluster.hosts * nproc_per_node
 
-    def train(cfg: "TrainConfig") -> "RunResult":
+    def train(cfg: TrainConfig) -> RunResult:
         from ..cluster.launch import launch_torchrun
 
         workers = cfg.parallel.workers
@@ -116,10 +117,10 @@ def run_on_cluster(argv: list[str], hosts: int, bandwidth: str | int | None, *, 
 
 #: The training function ``compare`` should use while :func:`run_on_cluster` runs it (a stack;
 #: empty: local runs). ``pipetrain.cli.compare_cmd`` passes ``current_train()`` as ``train=``.
-_TRAIN_OVERRIDE: list[Callable[["TrainConfig"], "RunResult"]] = []
+_TRAIN_OVERRIDE: list[Callable[[TrainConfig], RunResult]] = []
 
 
-def current_train() -> Callable[["TrainConfig"], "RunResult"] | None:
+def current_train() -> Callable[[TrainConfig], RunResult] | None:
     """The training function a comparison started by :func:`run_on_cluster` must use, or None."""
     return _TRAIN_OVERRIDE[-1] if _TRAIN_OVERRIDE else None
 

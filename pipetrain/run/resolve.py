@@ -407,7 +407,9 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
             built[n] = spec.build(plan.replicas, m, n, **options)
     segments = tuple(Segment(kind, n, built[n], ev, ck) for kind, n, ev, ck in counts)
     # ties across stages the schedule cannot keep equal: one line now, not a failure in every worker
-    check_ties(part.tied, segments[0].schedule.stage_ranks, spec.synchronous, spec.name)
+    first = segments[0].schedule
+    assert first is not None  # a distributed run has a schedule per segment
+    check_ties(part.tied, first.stage_ranks, spec.synchronous, spec.name)
     run = ResolvedRun(cfg, workers, batch, m, plan, note, options, segments, data)
     run.check()
     return run, bundle

@@ -16,8 +16,9 @@ expects its gradient back. Both ends derive the same codecs from the same exampl
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor

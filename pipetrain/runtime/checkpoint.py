@@ -9,8 +9,18 @@ Files written by ``--save PATH`` (each atomically: a temporary file, then ``os.r
   "model": spec, "model_options": {...}, "optimizer": {...}, "optimizer_state": {param name:
   {...}}, "stage_steps": {param name: optimizer steps of its stage}}``.
 
+A distributed run (:func:`save_final`, every rank) no longer gathers the model to rank 0:
+every rank writes its own part into a layout-free checkpoint ``PATH.parts/step_S/`` (the
+store of :mod:`pipetrain.checkpoint`, DCP, as ``--checkpoint-dir`` does), then rank 0 exports
+the plain ``PATH`` from it (read back from disk, one tensor file) and writes ``PATH.trainer``
+with ``"version": 2`` and ``"checkpoint": "PATH.parts/step_S"`` (relative to ``PATH``'s
+folder) instead of the optimizer state: :func:`load_checkpoint` reads that state from the
+parts. One-process runs still write version 1 (everything in ``PATH.trainer``); both versions
+are accepted by ``--resume``.
+
 Optimizer state is keyed by parameter name (not by stage), so a run may resume under a
-different plan. ``--resume PATH`` continues from ``step``: data, learning-rate schedule and
+different plan; a tied tensor's state is keyed by every one of its names. ``--resume PATH``
+continues from ``step``: data, learning-rate schedule and
 optimizer state pick up where they stopped (for flushed schedules this equals an
 uninterrupted run; asynchronous schedules restart their pipeline, i.e. drain at the save).
 """
@@ -18,16 +28,18 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import RuntimeConfigError
 
-__all__ = ["TrainerState", "save_checkpoint", "load_checkpoint", "trainer_path", "check_resumable"]
+__all__ = ["TrainerState", "save_checkpoint", "save_final", "load_checkpoint", "trainer_path", "parts_dir",
+           "check_resumable"]
 
 FORMAT = "pipetrain-trainer"
 VERSION = 1
@@ -89,8 +101,65 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], TrainerState]:
     raw = torch.load(side, map_location="cpu", weights_only=False)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise RuntimeConfigError(f"{side} is not a pipetrain trainer state (written by --save)")
+    if raw.get("version") == 2:  # a distributed run's --save: the optimizer state is in the parts
+        optimizer_state, stage_steps = _parts_optimizer(side.parent / str(raw["checkpoint"]))
+    else:
+        optimizer_state, stage_steps = dict(raw["optimizer_state"]), dict(raw["stage_steps"])
     return state, TrainerState(int(raw["step"]), str(raw["model"]), dict(raw["model_options"]),
-                               dict(raw["optimizer"]), dict(raw["optimizer_state"]), dict(raw["stage_steps"]))
+                               dict(raw["optimizer"]), optimizer_state, stage_steps)
+
+
+def parts_dir(path: str | Path) -> Path:
+    """Where a distributed ``--save PATH`` writes its per-rank parts: ``PATH.parts``."""
+    return Path(str(path) + ".parts")
+
+
+def _parts_optimizer(ck: Path) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
+    """The optimizer state (every parameter) and step counts of a layout-free checkpoint."""
+    from ..checkpoint import read_manifest
+    from ..checkpoint.manifest import TensorSpec
+    from ..checkpoint.state import optim_key
+    from ..checkpoint.store import _dcp_read
+
+    if not ck.exists():
+        raise RuntimeConfigError(f"the parts {str(ck)!r} of this --save checkpoint are missing; copy PATH.parts "
+                                 f"along with PATH and PATH.trainer, or save again")
+    man = read_manifest(ck)
+    specs = {optim_key(n, k): v for n, st in man.optimizer.items() for k, v in st.items() if isinstance(v, TensorSpec)}
+    got = _dcp_read(man, specs, "cpu")
+    out: dict[str, dict[str, Any]] = {}
+    for n, st in man.optimizer.items():
+        out[n] = {k: (got[optim_key(n, k)] if isinstance(v, TensorSpec) else v) for k, v in st.items()}
+    return out, dict(man.stage_steps)
+
+
+def save_final(view: Any, path: str | Path, step: int, original_keys: list[str]) -> Path:
+    """``--save PATH`` of a distributed run, on every rank (a collective; module docstring).
+
+    Every rank writes its part of ``PATH.parts/step_S`` in parallel (only the newest
+    checkpoint is kept there); rank 0 then exports ``PATH`` with exactly ``original_keys``
+    (the model's ``state_dict`` keys, in order) and writes ``PATH.trainer`` (version 2).
+    Returns ``PATH``.
+    """
+    import os
+
+    from ..checkpoint import read_state_dict, save_checkpoint_dir
+    from .checkpointing import manifest_info, rank_state
+
+    path = Path(path)
+    ck = save_checkpoint_dir(parts_dir(path), step, rank_state=rank_state(view, step),
+                             manifest_info=manifest_info(view.run, step), keep=1)
+    if view.rank == 0:
+        sd = read_state_dict(ck)
+        missing = [k for k in original_keys if k not in sd]
+        if missing:
+            raise RuntimeError(f"the saved parts {ck} lack {len(missing)} tensors of the model (first {missing[0]!r})")
+        _atomic_save({k: sd[k] for k in original_keys}, path)
+        cfg = view.run.config
+        _atomic_save({"format": FORMAT, "version": 2, "step": step, "model": cfg.model.name,
+                      "model_options": dict(cfg.model.options), "optimizer": cfg.to_dict()["optimizer"],
+                      "checkpoint": os.path.relpath(ck, path.parent)}, trainer_path(path))
+    return path
 
 
 def torch_optimizer_state(optimizer: torch.optim.Optimizer, names: list[str]) -> dict[str, dict[str, Any]]:

@@ -36,7 +36,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -53,10 +53,11 @@ from ..checkpoint import (
 )
 from .faults import first_attempt, kill_self
 
-__all__ = ["RankView", "checkpoint_due", "save_at_boundary", "on_boundary", "restore", "segments_done", "manifest_info",
-           "check_boundary", "checkpoint_steps", "cut_at"]
+__all__ = ["RankView", "every_name", "lookup_any_name", "checkpoint_due", "save_at_boundary", "on_boundary",
+           "restore", "segments_done", "manifest_info", "rank_state", "check_boundary", "checkpoint_steps", "cut_at"]
 
 log = logging.getLogger("pipetrain.checkpoint")
+V = TypeVar("V")
 
 
 @dataclass
@@ -190,6 +191,36 @@ def cut_at(run: Any, step: int) -> Any:
     return run
 
 
+# --------------------------------------------------------------------------- tied names
+
+
+def every_name(stage: Any, by_name: Mapping[str, V]) -> dict[str, V]:
+    """``by_name`` (values keyed by the stage's own parameter names) also keyed by every other
+    model name of a tied tensor (``StageModule.aliases``: a stage holding ``lm_head.weight``
+    adds ``transformer.wte.weight``), as :func:`pipetrain.runtime.tied.alias_state` does for
+    tensors. Checkpoints key weights, optimizer state and step counts this way, so a layout
+    that holds the tensor under another name (another cut, one stage, one process) finds
+    its state; the copies of a tied tensor are equal (synchronous schedules), so whichever
+    copy a key comes from is the same value."""
+    out = dict(by_name)
+    for name, others in (getattr(stage, "aliases", None) or {}).items():
+        if name in by_name:
+            for other in others:
+                out.setdefault(other, by_name[name])
+    return out
+
+
+def lookup_any_name(stage: Any, name: str, by_name: Mapping[str, V]) -> V | None:
+    """``by_name[name]``, else the value under another model name of the same tied tensor
+    (a checkpoint written before :func:`every_name`, or by one process under the first name)."""
+    if name in by_name:
+        return by_name[name]
+    for other in (getattr(stage, "aliases", None) or {}).get(name, ()):
+        if other in by_name:
+            return by_name[other]
+    return None
+
+
 # --------------------------------------------------------------------------- saving
 
 
@@ -216,11 +247,12 @@ def rank_state(view: RankView, step: int) -> RankState:
     for k, st in view.stages.items():
         if not view.first_replica(k):
             continue  # replicas hold identical values: the first one writes them
-        model.update({n: t.detach() for n, t in st.versions.latest.items()})
+        # [tied] every model name of a tied tensor (every_name): a later layout may hold it by another name
+        model.update(every_name(st.stage, {n: t.detach() for n, t in st.versions.latest.items()}))
         model.update({n: b.detach() for n, b in st.stage.module.named_buffers()})
         sd = st.optimizer.state_dict()
-        optimizer.update(sd["state"])
-        stage_steps.update({n: int(sd["steps"]) for n in st.stage.param_names})
+        optimizer.update(every_name(st.stage, sd["state"]))
+        stage_steps.update(every_name(st.stage, {n: int(sd["steps"]) for n in st.stage.param_names}))
     for n, t in view.extras.items():
         model.setdefault(n, t.detach())
     extras: dict[str, Any] = {"torch_rng": torch.get_rng_state(), "step": step}
@@ -344,19 +376,24 @@ def restore(view: RankView) -> int:
     check_model(man, cfg.model.name, dict(cfg.model.options))
     _check_optimizer(man, cfg)
     wanted: dict[str, tuple[int, ...]] = {}
+    source: dict[str, str] = {}  # [tied] own name -> the name it is stored under (an alias in older checkpoints)
     for st in view.stages.values():
-        wanted.update({n: tuple(t.shape) for n, t in st.versions.latest.items()})
+        for n, t in st.versions.latest.items():
+            stored = n if n in man.model else next((o for o in st.stage.aliases.get(n, ()) if o in man.model), n)
+            source[n] = stored
+            wanted[stored] = tuple(t.shape)
         wanted.update({n: tuple(b.shape) for n, b in st.stage.module.named_buffers()})
     same = _same_layout(man, view)
     part = load_for_rank(picked, wanted, rank=view.rank if same else None, device=view.device)
     for st in view.stages.values():
         names = list(st.stage.param_names)
-        st.versions.load({n: part.model[n] for n in names})
+        st.versions.load({n: part.model[source.get(n, n)] for n in names})
         for n, b in st.stage.module.named_buffers():
             b.copy_(part.model[n].to(b.device))
-        steps = max([part.stage_steps.get(n, 0) for n in names] + [0])
-        st.optimizer.load_state_dict({"steps": steps, "state": {n: part.optimizer[n] for n in names
-                                                                if n in part.optimizer}}, view.device)
+        steps = max([lookup_any_name(st.stage, n, part.stage_steps) or 0 for n in names] + [0])
+        state = {n: lookup_any_name(st.stage, n, part.optimizer) for n in names}  # [tied] under any name
+        st.optimizer.load_state_dict({"steps": steps, "state": {n: v for n, v in state.items() if v is not None}},
+                                     view.device)
     rng = part.extras.get("torch_rng")
     if same and isinstance(rng, Tensor):
         torch.set_rng_state(rng.to("cpu", torch.uint8))

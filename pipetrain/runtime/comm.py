@@ -45,9 +45,10 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

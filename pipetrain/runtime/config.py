@@ -44,8 +44,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 from ..errors import PipetrainError, RuntimeConfigError
 from ..schedule.registry import SCHEDULE_NAMES
@@ -136,7 +137,7 @@ class LRSchedule:
     min_lr: float = 0.0         # cosine: final learning rate
 
     @staticmethod
-    def parse(text: str) -> "LRSchedule":
+    def parse(text: str) -> LRSchedule:
         """``"cosine:warmup=5,total=100"`` -> LRSchedule; a bad spec is a RuntimeConfigError."""
         name, _, rest = text.partition(":")
         name = name.strip().lower()
@@ -157,7 +158,8 @@ class LRSchedule:
             try:
                 kw[attr] = typ(v)
             except ValueError:
-                raise RuntimeConfigError(f"learning-rate schedule option {k} must be a {typ.__name__}, got {v!r}") from None
+                raise RuntimeConfigError(f"learning-rate schedule option {k} must be a {typ.__name__}, "
+                                         f"got {v!r}") from None
         sched = LRSchedule(name=name, **kw)
         if sched.step_size < 1 or sched.warmup < 0 or (sched.total is not None and sched.total < 1):
             raise RuntimeConfigError(
@@ -200,7 +202,8 @@ class OptimizerConfig:
     dampening: float = setting(0.0, "SGD dampening", flag=None)
     nesterov: bool = setting(False, "SGD Nesterov momentum", kind="true")
     weight_decay: float = setting(0.0, "weight decay: L2 (sgd, adam) or decoupled (adamw)", type=float)
-    betas: tuple[float, float] = setting((0.9, 0.999), "Adam betas (default: 0.9,0.999)", convert=_betas, metavar="B1,B2")
+    betas: tuple[float, float] = setting((0.9, 0.999), "Adam betas (default: 0.9,0.999)", convert=_betas,
+                                         metavar="B1,B2")
     eps: float = setting(1e-8, "Adam epsilon", type=float)
 
     def __post_init__(self) -> None:
@@ -248,7 +251,7 @@ def _threads(value: int | None) -> int | None:
     return None if value == 0 else value
 
 
-def _lr_schedule(value: Any) -> "LRSchedule":
+def _lr_schedule(value: Any) -> LRSchedule:
     return value if isinstance(value, LRSchedule) else LRSchedule.parse(str(value))
 
 
@@ -624,11 +627,11 @@ class TrainConfig:
 
     # -- flat keys ---------------------------------------------------------------------
     @classmethod
-    def of(cls, **values: Any) -> "TrainConfig":
+    def of(cls, **values: Any) -> TrainConfig:
         """A config from flat keys (``steps=3, lr=0.1``) and/or whole sections (``optimizer=OptimizerConfig(...)``)."""
         return cls().replace(**values)
 
-    def replace(self, **values: Any) -> "TrainConfig":
+    def replace(self, **values: Any) -> TrainConfig:
         """A copy with flat keys (or whole sections) replaced; every section is checked again."""
         keys = _flat_keys()
         whole: dict[str, Any] = {}

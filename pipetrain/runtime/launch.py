@@ -17,7 +17,8 @@ import logging
 import os
 import socket
 import uuid
-from typing import Any, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from ..errors import RuntimeConfigError
 from .failures import FailureBoard, WorkerFailure

@@ -322,7 +322,8 @@ class NumericsGuard:
             self._bad_units.discard(key)
             return
         st = executor.stages[a.stage]
-        fused = [st.sink.buffers[n] for n in getattr(st, "fused", ()) if n in st.sink.buffers]  # written by the backward
+        # fused Linear layers wrote their weight gradients into the sink during the backward
+        fused = [st.sink.buffers[n] for n in getattr(st, "fused", ()) if n in st.sink.buffers]
         if _all_finite(g for g in grads if g is not None) and _all_finite(fused):
             return
         if grad_outputs is not None and not _all_finite(grad_outputs):

@@ -23,7 +23,8 @@ Adam (Kingma & Ba, Algorithm 1) and AdamW (Loshchilov & Hutter, decoupled decay)
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -96,7 +97,8 @@ class FunctionalOptimizer:
         base = p
         if c.weight_decay != 0:
             if c.name == "adamw":
-                base = torch.mul(p, 1 - lr * c.weight_decay, out=dst) if dst is not None else p.mul(1 - lr * c.weight_decay)
+                decay = 1 - lr * c.weight_decay
+                base = torch.mul(p, decay, out=dst) if dst is not None else p.mul(decay)
             else:
                 g = g.add(p, alpha=c.weight_decay)
         exp_avg, exp_avg_sq = st["exp_avg"], st["exp_avg_sq"]

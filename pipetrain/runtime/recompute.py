@@ -26,7 +26,8 @@ unit updates them once, in its forward; the recompute reads them as they are whe
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor

@@ -24,8 +24,9 @@ as one autograd graph.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -242,7 +243,11 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
         done: dict[tuple[int, int], int] = {}
         units = sorted({u for (s, u) in fwd if s == 0})
 
-        def step_stage(s: int, k: int, coef: float | None) -> None:
+        # The loop's per-segment state is bound as defaults (both helpers run only within
+        # their own segment's iteration, so this is what they would see anyway).
+        def step_stage(s: int, k: int, coef: float | None, *, groups: dict[int, list[list[int]]] = groups,
+                       acc: dict[tuple[int, int], dict[str, Tensor]] = acc,
+                       versions: dict[int, list[dict[str, Tensor]]] = versions) -> None:
             grads = acc.pop((s, k), {})
             count = len(groups[s][k])
             mean = {n: g / count for n, g in grads.items()}
@@ -261,7 +266,8 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
             steps_done[s] += 1
             versions[s].append(snapshot(s))
 
-        def complete(s: int, k: int) -> bool:
+        def complete(s: int, k: int, *, groups: dict[int, list[list[int]]] = groups,
+                     done: dict[tuple[int, int], int] = done) -> bool:
             return done.get((s, k), 0) == len(groups[s][k])
 
         for u in units:

@@ -12,8 +12,14 @@ from __future__ import annotations
 import torch
 
 from ..errors import RuntimeConfigError
-from .checkpoint import (TrainerState, check_resumable, load_checkpoint, load_torch_optimizer_state,
-                         save_checkpoint, torch_optimizer_state)
+from .checkpoint import (
+    TrainerState,
+    check_resumable,
+    load_checkpoint,
+    load_torch_optimizer_state,
+    save_checkpoint,
+    torch_optimizer_state,
+)
 from .data import UnitData
 from .log import progress, setup_logging
 from .memory import peak_rss_life_mib, proc_status_mib, reset_peak_rss, tune_malloc

@@ -30,9 +30,11 @@ tensors a stage holds, so state dicts keep every name the model has.
 from __future__ import annotations
 
 import copy
+import functools
 import operator
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.fx
@@ -284,10 +286,9 @@ def _mutated_placeholders(graph: torch.fx.Graph, gm: torch.fx.GraphModule) -> li
                 if u.args and u.args[0] is v and is_inplace_node(u, gm):
                     mutated = True
                     break
-                if op_name(u) in _VIEW_OPS or u.target is operator.getitem:
-                    if u not in seen:
-                        seen.add(u)
-                        frontier.append(u)
+                if (op_name(u) in _VIEW_OPS or u.target is operator.getitem) and u not in seen:
+                    seen.add(u)
+                    frontier.append(u)
         if mutated:
             out.append(ph)
     return out
@@ -322,7 +323,8 @@ def _build_graph(gm: torch.fx.GraphModule, part: Partition, k: int) -> torch.fx.
     for ph in _mutated_placeholders(g, gm):
         with g.inserting_after(ph):
             c = g.call_method("clone", (ph,))
-        ph.replace_all_uses_with(c, delete_user_cb=lambda u: u is not c)
+        # Every use but the clone itself now reads the clone (``c is not u``).
+        ph.replace_all_uses_with(c, delete_user_cb=functools.partial(operator.is_not, c))
     g.lint()
     return g
 

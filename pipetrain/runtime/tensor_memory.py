@@ -244,8 +244,8 @@ class TensorMemory:
         def forward(a: Any) -> None:
             self.forward(h[Op.F], a)
 
-        def backward(a: Any) -> None:
-            h[Op.B](a)
+        def backward(a: Any) -> None:  # B, or W (the unit's last backward piece)
+            h[a.op](a)
             self.backward_end(a)
 
         def backward_input(a: Any) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import Tensor

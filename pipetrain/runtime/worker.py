@@ -34,8 +34,8 @@ from ..plan.cuts import node_modules, stage_first_nodes
 from ..plan.traffic import ReduceBuffer, TiedBuffer, Traffic, bytes_per_sample, predict_traffic, traffic_report
 from ..schedule.action import Schedule
 from ..schedule.events import steady_state_rates, write_chrome_trace
-from .checkpoint import TrainerState, check_resumable, load_checkpoint, save_checkpoint
-from .checkpointing import RankView, restore, save_at_boundary, segments_done
+from .checkpoint import check_resumable, load_checkpoint, save_final
+from .checkpointing import RankView, every_name, lookup_any_name, restore, save_at_boundary, segments_done
 from .peers import naming_peer, restart_store
 from .numerics import NumericsGuard
 from .comm import Comm, cut_bytes, reduce_buffers
@@ -199,6 +199,8 @@ def _run(run: ResolvedRun, rank: int, world: int, device: torch.device) -> RunRe
         setup_logging(cfg.output.progress_to_stderr)
     setup = _setup(run, rank, device)
     executor, step_losses, wall, end_step = _train(run, setup, rank, device)
+    if cfg.checkpoint.save is not None:  # [--save] every rank writes its part, rank 0 exports PATH (checkpoint.py)
+        save_final(_ckpt_view(run, setup, rank, device), cfg.checkpoint.save, end_step, setup.original_keys)
     mine = _report(run, setup, rank, executor, step_losses, wall)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
@@ -380,7 +382,7 @@ def _report(run: ResolvedRun, setup: _Setup, rank: int, executor: Executor, step
         peak_rss_life_mib=peak_rss_life_mib())
     if getattr(setup, "tensor_memory", None) is not None:  # [tensor memory] H-mem (runtime/tensor_memory.py)
         out.tensor_memory = setup.tensor_memory.summary()  # type: ignore[attr-defined]
-    if cfg.debug.return_state or cfg.checkpoint.save is not None:
+    if cfg.debug.return_state:  # [--save] no longer gathered: save_final writes per rank
         for k, st in stages.items():
             if run.schedule.stage_ranks[k][0] != rank:
                 continue
@@ -388,8 +390,8 @@ def _report(run: ResolvedRun, setup: _Setup, rank: int, executor: Executor, step
                                                     for n, t in st.versions.latest.items()}))
             out.state.update({n: b.detach().to("cpu", copy=True) for n, b in st.stage.module.named_buffers()})
             sd = st.optimizer.state_dict()
-            out.optimizer_state.update(sd["state"])
-            out.stage_steps.update({n: sd["steps"] for n in st.stage.param_names})
+            out.optimizer_state.update(every_name(st.stage, sd["state"]))  # [tied] every name (checkpointing.py)
+            out.stage_steps.update(every_name(st.stage, {n: sd["steps"] for n in st.stage.param_names}))
         out.state.update({k: v for k, v in setup.extras.items() if k not in out.state})
     if cfg.output.trace is not None:
         out.events = list(executor.events)
@@ -435,7 +437,9 @@ def _result(run: ResolvedRun, setup: _Setup, gathered: list[RankReport], device:
     result.add_tensor_memory([g.tensor_memory for g in gathered])  # [tensor memory] H-mem
     if setup.monitor is not None:  # evaluations and the target (every rank saw them)
         result.add_evaluation(setup.monitor.summary(end_step), run.data)
-    if cfg.debug.return_state or cfg.checkpoint.save is not None:
+    if cfg.checkpoint.save is not None:  # [--save] written by every rank in _run (save_final)
+        result.saved = cfg.checkpoint.save
+    if cfg.debug.return_state:
         full: dict[str, torch.Tensor] = {}
         opt_state: dict[str, dict[str, Any]] = {}
         stage_steps: dict[str, int] = {}
@@ -447,14 +451,8 @@ def _result(run: ResolvedRun, setup: _Setup, gathered: list[RankReport], device:
         if missing:
             raise RuntimeError(f"checkpoint assembly lacks {len(missing)} tensors (first {missing[0]!r})")
         ordered = {k: full[k] for k in setup.original_keys}
-        if cfg.checkpoint.save is not None:
-            save_checkpoint(cfg.checkpoint.save, ordered, TrainerState(
-                end_step, cfg.model.name, dict(cfg.model.options), cfg.to_dict()["optimizer"], opt_state,
-                stage_steps))
-            result.saved = cfg.checkpoint.save
-        if cfg.debug.return_state:
-            result.state = ordered
-            result.alive_versions = {str(k): v for g in gathered for k, v in g.alive_versions.items()}
+        result.state = ordered
+        result.alive_versions = {str(k): v for g in gathered for k, v in g.alive_versions.items()}
     return result
 
 
@@ -493,10 +491,11 @@ def _resume(cfg: TrainConfig, stages: dict[int, StageRuntime], device: torch.dev
             for n, b in st.stage.module.named_buffers():
                 if n in state:
                     b.copy_(state[n].to(b.device))
-        steps = max([trainer.stage_steps.get(n, 0) for n in st.stage.param_names] + [0])
-        st.optimizer.load_state_dict({"steps": steps, "state": {n: trainer.optimizer_state[n]
-                                                                for n in st.stage.param_names
-                                                                if n in trainer.optimizer_state}}, device)
+        # [tied] a tied tensor's state under any of its names (checkpointing.py, H-ckpt2)
+        steps = max([lookup_any_name(st.stage, n, trainer.stage_steps) or 0 for n in st.stage.param_names] + [0])
+        opt = {n: lookup_any_name(st.stage, n, trainer.optimizer_state) for n in st.stage.param_names}
+        st.optimizer.load_state_dict({"steps": steps, "state": {n: v for n, v in opt.items() if v is not None}},
+                                     device)
     return trainer.step
 
 

@@ -77,7 +77,7 @@ class Action:
         return s
 
     @staticmethod
-    def parse(text: str) -> "Action":
+    def parse(text: str) -> Action:
         from ..errors import ScheduleError
 
         m = _ACTION_RE.match(text.strip())
@@ -141,7 +141,7 @@ class Schedule:
         return buf.getvalue()
 
     @staticmethod
-    def from_csv(text: str) -> "Schedule":
+    def from_csv(text: str) -> Schedule:
         from ..errors import ScheduleError
 
         rows = [r for r in csv.reader(io.StringIO(text)) if r]
@@ -156,7 +156,7 @@ class Schedule:
         Path(path).write_text(self.to_csv())
 
     @staticmethod
-    def load(path: str | Path) -> "Schedule":
+    def load(path: str | Path) -> Schedule:
         return Schedule.from_csv(Path(path).read_text())
 
     def grid(self, compute_only: bool = True, mark: dict[int, int] | None = None) -> str:

@@ -6,7 +6,7 @@ Versions: minibatch ``t`` uses version ``t``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ScheduleError
 from .action import Schedule

@@ -30,9 +30,10 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from .action import COMPUTE_OPS, Action, Op
 
@@ -128,7 +129,7 @@ def _action_args(a: Action) -> dict[str, Any]:
     return args
 
 
-def chrome_trace(events: Iterable[Event], *, schedule: "Schedule", measured: bool,
+def chrome_trace(events: Iterable[Event], *, schedule: Schedule, measured: bool,
                  meta: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The events as a Chrome trace dict (``{"traceEvents": [...], "otherData": {...}}``).
 
@@ -180,7 +181,7 @@ def save_trace(trace: Mapping[str, Any], path: str | Path) -> None:
     Path(path).write_text(json.dumps(trace))
 
 
-def write_chrome_trace(events: Iterable[Event], path: str | Path, *, schedule: "Schedule", measured: bool,
+def write_chrome_trace(events: Iterable[Event], path: str | Path, *, schedule: Schedule, measured: bool,
                        meta: Mapping[str, Any] | None = None) -> None:
     """Write :func:`chrome_trace` of ``events`` to ``path`` (JSON); see the module docstring."""
     save_trace(chrome_trace(events, schedule=schedule, measured=measured, meta=meta), path)

@@ -16,7 +16,7 @@ Versions: minibatch ``t`` uses version ``t`` everywhere.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .action import Schedule
 from .layout import one_f_one_b

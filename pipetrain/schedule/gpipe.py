@@ -7,7 +7,7 @@ every stage holds all ``m`` microbatches' activations at the turn. Versions: min
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .action import Schedule
 from .layout import all_f_all_b

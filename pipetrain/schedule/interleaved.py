@@ -9,16 +9,17 @@ next); backwards visit the chunks in reverse. Rank ``p`` first runs
 
     warm-up = min((P - p - 1) * 2 + (v - 1) * P, m*v)
 
-forwards (``P - p - 1`` for ``v = 1``, making it plain 1F1B), then alternates forward ``i + warm-up`` and backward ``i``, then drains, then
-flushes and steps every chunk. Each chunk is ``1/v`` of a rank's work per microbatch, so
-the pipeline fills and drains in ``(P-1)`` chunk-times instead of ``(P-1)`` stage-times:
-the bubble is ``(P-1)/(v*m + P-1)`` of the makespan with per-chunk forward and backward
-times (tests check it), ``v`` times smaller than 1F1B's ``(P-1)/(m+P-1)`` in bubble time.
+forwards (``P - p - 1`` for ``v = 1``, making it plain 1F1B), then alternates forward
+``i + warm-up`` and backward ``i``, then drains, then flushes and steps every chunk. Each
+chunk is ``1/v`` of a rank's work per microbatch, so the pipeline fills and drains in
+``(P-1)`` chunk-times instead of ``(P-1)`` stage-times: the bubble is ``(P-1)/(v*m + P-1)``
+of the makespan with per-chunk forward and backward times (tests check it), ``v`` times
+smaller than 1F1B's ``(P-1)/(m+P-1)`` in bubble time.
 Versions: minibatch ``t`` uses version ``t``.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ScheduleError
 from .action import Action, Op, Schedule

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Iterable, Sequence
 from functools import reduce
-from typing import Iterable, Sequence
 
 from ..errors import ScheduleError
 

@@ -31,7 +31,7 @@ unchanged. The last stage, whose backward follows its forward, sees no differenc
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ScheduleError
 from .action import Action, Op, Schedule

@@ -18,9 +18,10 @@ steps): what the runtime, the validator and the simulator execute.
 from __future__ import annotations
 
 import numbers
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from ..errors import ScheduleError
 from .action import Schedule

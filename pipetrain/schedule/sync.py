@@ -8,7 +8,8 @@ minibatch ``t`` uses version ``t``.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from .action import Action, Op, Schedule
 from .layout import check_replicas, check_sync_counts, stage_ranks_of, sync_units, warmup_depth

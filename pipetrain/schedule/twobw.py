@@ -13,7 +13,7 @@ unit ``depth`` places before it, which lies in minibatch ``t-1`` or later.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..errors import ScheduleError
 from .action import Action, Op, Schedule

@@ -87,16 +87,19 @@ def check_structure(schedule: Schedule) -> None:
                     raise _fail(f"{where}: unit {u} outside 0..{units - 1} (steps*microbatches)")
                 other = compute_rank.setdefault((k, u), rank)
                 if other != rank:
-                    raise _fail(f"{where}: unit {u} of stage {k} also runs on rank {other}; a unit stays on one replica")
+                    raise _fail(f"{where}: unit {u} of stage {k} also runs on rank {other}; "
+                                "a unit stays on one replica")
                 counts[(k, a.op, u)] += 1
                 if a.version is None:
                     raise _fail(f"{where}: compute actions must carry a weight version")
                 if a.version > nsteps[k]:
-                    raise _fail(f"{where}: uses version {a.version} but only {nsteps[k]} steps of stage {k} came before")
+                    raise _fail(f"{where}: uses version {a.version} but only {nsteps[k]} steps of stage {k} "
+                                "came before")
                 if a.op is Op.F:
                     fver[(k, u)] = a.version
                     if k > 0 and (k, Op.RECV_F, u) not in done:
-                        raise _fail(f"{where}: forward before its input arrives (no {k}RECV_F{u} earlier on rank {rank})")
+                        raise _fail(f"{where}: forward before its input arrives (no {k}RECV_F{u} earlier on rank "
+                                    f"{rank})")
                 else:
                     if (k, u) not in fver:
                         raise _fail(f"{where}: {a.op.value} before the forward {k}F{u} on rank {rank}")
@@ -128,11 +131,13 @@ def check_structure(schedule: Schedule) -> None:
                 allreduces[k].setdefault(rank, []).append(u)
             elif a.op is Op.STEP:
                 if u != nsteps[k]:
-                    raise _fail(f"{where}: step {u} of stage {k} but {nsteps[k]} steps came before (number them 0, 1, ...)")
+                    raise _fail(f"{where}: step {u} of stage {k} but {nsteps[k]} steps came before (number them 0, 1, "
+                                "...)")
                 if len(holders[k]) > 1:
                     prev = actions[i - 1] if i else None
                     if prev is None or prev.op is not Op.ALLREDUCE or prev.stage != k or prev.mb != u:
-                        raise _fail(f"{where}: a replicated stage must all-reduce right before each step ({k}ALLREDUCE{u})")
+                        raise _fail(f"{where}: a replicated stage must all-reduce right before each step "
+                                    f"({k}ALLREDUCE{u})")
                 nsteps[k] += 1
             done.add((k, a.op, u))
     # Coverage: every unit once per stage, with F and (B or I+W).
@@ -155,7 +160,8 @@ def check_structure(schedule: Schedule) -> None:
     for key, n in recvs.items():
         if sends.get(key, 0) != n:
             stage, op, u, src, dst = key
-            raise _fail(f"rank {dst} waits for {stage}{op.value}{u}<{src} but rank {src} sends it {sends.get(key, 0)} time(s)")
+            raise _fail(f"rank {dst} waits for {stage}{op.value}{u}<{src} but rank {src} sends it {sends.get(key, 0)} "
+                        "time(s)")
     # Every transfer the data flow needs is present (relay: stage k to k+1 and back).
     for (k, u), rank in compute_rank.items():
         if k > 0 and recvs.get((k, Op.RECV_F, u, compute_rank.get((k - 1, u), -1), rank), 0) != 1:

@@ -15,7 +15,7 @@ Versions: minibatch ``t`` uses version ``t``; the flush and the step follow the 
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from .action import Schedule
 from .layout import check_replicas

@@ -2,14 +2,15 @@
 
 ``simulate(schedule, StageCosts) -> SimResult``; ``to_chrome_trace(result)`` and
 ``save_gantt(result, path)`` draw it. Its events are :class:`pipetrain.schedule.events.Event`
-and its ``time_per_minibatch`` is the steady-state definition the runtime uses too. See ``docs/schedules.md`` for the definitions.
+and its ``time_per_minibatch`` is the steady-state definition the runtime uses too. See
+``docs/schedules.md`` for the definitions.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from .costs import StageCost, StageCosts  # noqa: F401
 from ..schedule.events import Event  # noqa: F401
+from .costs import StageCost, StageCosts  # noqa: F401
 from .engine import SimResult, simulate  # noqa: F401
 from .trace import save_trace, to_chrome_trace, trace_event, trace_process_name, write_chrome_trace  # noqa: F401
 

@@ -40,6 +40,9 @@ class StageCost:
         step_time: seconds of one optimizer step.
         optimizer_bytes: bytes of optimizer state (held once, besides the weights' gradient).
         weight_grad_fraction: share of ``backward_time`` that is the weight-gradient half W.
+        data_bytes: bytes of input data the stage's worker keeps (cached minibatches), held throughout.
+        gradient_bytes: bytes of the gradient accumulators (None: ``parameter_bytes``, every
+            weight trainable).
     """
 
     forward_time: float
@@ -51,6 +54,13 @@ class StageCost:
     step_time: float = 0.0
     optimizer_bytes: float = 0.0
     weight_grad_fraction: float = 0.5
+    data_bytes: float = 0.0
+    gradient_bytes: float | None = None
+
+    @property
+    def gradient_held(self) -> float:
+        """Bytes of the gradient accumulators (``gradient_bytes``, else one copy of the weights)."""
+        return self.parameter_bytes if self.gradient_bytes is None else self.gradient_bytes
 
     def compute_time(self, op: Op) -> float:
         """Seconds of a compute action (F, B, I, W) or STEP of one unit at this stage."""
@@ -77,6 +87,8 @@ class StageCosts:
         latency: seconds added to every transfer (and per ring step of an all-reduce).
         topology: if given, the bandwidth between two ranks is that of the innermost level
             whose group holds both (ranks laid out in order over the levels).
+        lookahead: actions ahead of its RECV a receive buffer is posted (the runtime's
+            ``--lookahead``): the memory model holds a buffer from then until the unit's backward ends.
     """
 
     stages: list[StageCost]
@@ -84,6 +96,7 @@ class StageCosts:
     latency: float = 0.0
     topology: Topology | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    lookahead: int = 8
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -193,6 +206,11 @@ class StageCosts:
         bwd = [0.0] * S
         params = [0.0] * S
         held = [0.0] * S
+        # What a unit really holds (plan/memory.py): autograd's saved tensors, when the profile
+        # measured them; else every node's output and the stage's input (the older rule).
+        from ..plan.memory import loss_held_bytes, node_held_bytes  # plan imports the simulator's costs
+
+        saved = node_held_bytes(profile) if profile.has_saved_bytes else None
         cut_act = [0.0] * max(S - 1, 0)
         cut_grad = [0.0] * max(S - 1, 0)
         last_reader: dict[str, int] = {}
@@ -204,7 +222,7 @@ class StageCosts:
             if not node.is_input:
                 fwd[k] += node.forward_time
                 bwd[k] += node.backward_time
-                held[k] += node.activation_bytes
+                held[k] += node.activation_bytes if saved is None else saved[node.name]
             params[k] += node.parameter_bytes
             for cut in range(k, last_reader.get(node.name, k)):
                 cut_act[cut] += node.activation_bytes
@@ -212,8 +230,12 @@ class StageCosts:
                     cut_grad[cut] += node.activation_bytes
         osb = profile.optimizer_state_bytes_per_parameter_byte
         stages = []
+        if saved is not None and S:
+            held[S - 1] += loss_held_bytes(profile)
         for k in range(S):
-            received = cut_act[k - 1] if k > 0 else 0.0
+            # the older rule counts the received input as held; with saved bytes, the receive
+            # buffers are the simulator's communication pool (engine._memory)
+            received = cut_act[k - 1] if k > 0 and saved is None else 0.0
             stages.append(StageCost(
                 forward_time=fwd[k] / units,
                 backward_time=bwd[k] / units,

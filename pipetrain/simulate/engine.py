@@ -34,10 +34,14 @@ Derived figures (see docs/schedules.md, "Simulator"):
   (activation, gradient, allreduce, control) from the SEND and ALLREDUCE actions and the
   costs' per-unit sizes, by the conventions the runtime counts with (docs/traffic.md);
   ``bytes_per_sample`` in the summary when the costs know the batch size.
-- peak memory per worker: weights' gradient + optimizer state, plus, over time, live weight
-  versions (a version lives from the step that makes it until it is superseded and no
-  longer used) times the stage's weight bytes, plus units in flight (forward started,
-  last backward piece not ended) times the stage's activation bytes.
+- peak memory per worker, the accounting of the runtime's tensor ledger
+  (:mod:`pipetrain.runtime.tensor_memory`, docs/performance.md "Memory"): gradient
+  accumulators + optimizer state + cached input data, plus, over time, live weight versions
+  (a version lives from the step that makes it until it is superseded and no longer used)
+  times the stage's weight bytes, units in flight (forward started, last backward piece not
+  ended) times the stage's activation bytes (what autograd saves), and the receive buffers
+  (a buffer from the post of its RECV, ``lookahead`` actions ahead, to the unit's backward
+  end; the pool keeps the most ever in use of each message kind).
 """
 from __future__ import annotations
 
@@ -316,7 +320,7 @@ def _memory(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]],
     peaks_versions: list[int] = []
     for rank, tl in enumerate(timelines):
         stages = schedule.stages_of_rank(rank)
-        static = sum(costs[k].parameter_bytes + costs[k].optimizer_bytes for k in stages)
+        static = sum(costs[k].gradient_held + costs[k].optimizer_bytes + costs[k].data_bytes for k in stages)
         # Deltas (time, order, bytes, units, versions); order 0 releases before 1 acquires.
         deltas: list[tuple[float, int, float, int, int]] = []
         fstart: dict[tuple[int, int], float] = {}
@@ -348,14 +352,44 @@ def _memory(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]],
                 w = costs[k].parameter_bytes
                 deltas.append((born, 1, w, 0, 1))
                 deltas.append((dies, 0, -w, 0, -1))
+        # Receive buffers (comm's pool): a message's buffer is taken when its RECV is posted
+        # (``lookahead`` actions ahead) and given back when the unit's backward ends; the pool
+        # never shrinks, so each kind of message holds the most buffers it ever had in use.
+        pool: list[tuple[float, int, tuple[int, int], float]] = []
+        for j, e in enumerate(tl):
+            a = e.action
+            if a.op not in (Op.RECV_F, Op.RECV_B) or a.peer == rank:
+                continue
+            src = a.stage - 1 if a.op is Op.RECV_F else a.stage + 1
+            if not 0 <= src < len(costs):
+                continue
+            nbytes = costs[src].activation_send_bytes if a.op is Op.RECV_F else costs[src].grad_send_bytes
+            if nbytes <= 0:
+                continue
+            posted = tl[max(0, j - costs.lookahead)].start
+            kind = (a.stage, 0 if a.op is Op.RECV_F else 1)
+            pool.append((posted, 1, kind, nbytes))
+            pool.append((bend.get((a.stage, a.mb), makespan), 0, kind, nbytes))
+        deltas.extend((t, order, 0.0, 0, 0) for t, order, _, _ in pool)  # sample at every pool change
+        changes = sorted(pool, key=lambda d: (d[0], d[1]))
+        in_use: dict[tuple[int, int], int] = defaultdict(int)
+        allocated: dict[tuple[int, int], int] = defaultdict(int)
         deltas.sort(key=lambda d: (d[0], d[1]))
-        mem = peak_mem = 0.0
+        mem = peak_mem = comm = 0.0
         units = peak_units = versions = peak_v = 0
-        for _, _, b, n, v in deltas:
+        ci = 0
+        for t, order, b, n, v in deltas:
+            while ci < len(changes) and (changes[ci][0], changes[ci][1]) <= (t, order):
+                _, acq, kind, nbytes = changes[ci]
+                in_use[kind] += 1 if acq else -1
+                if in_use[kind] > allocated[kind]:
+                    allocated[kind] = in_use[kind]
+                    comm += nbytes
+                ci += 1
             mem += b
             units += n
             versions += v
-            peak_mem = max(peak_mem, mem)
+            peak_mem = max(peak_mem, mem + comm)
             peak_units = max(peak_units, units)
             peak_v = max(peak_v, versions)
         peaks_mem.append(static + peak_mem)

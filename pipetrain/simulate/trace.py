@@ -12,9 +12,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ..schedule.events import (  # noqa: F401  (re-exported)
-    COMPUTE_TID, chrome_trace, save_trace, trace_event, trace_process_name, trace_thread_name, write_chrome_trace,
+    COMPUTE_TID,
+    chrome_trace,
+    save_trace,
+    trace_event,
+    trace_process_name,
+    trace_thread_name,
+    write_chrome_trace,
 )
-
 from .traffic import traffic_summary
 
 if TYPE_CHECKING:
@@ -24,7 +29,7 @@ __all__ = ["COMPUTE_TID", "chrome_trace", "save_trace", "to_chrome_trace", "trac
            "trace_thread_name", "write_chrome_trace"]
 
 
-def to_chrome_trace(result: "SimResult") -> dict[str, Any]:
+def to_chrome_trace(result: SimResult) -> dict[str, Any]:
     """The simulated run as a Chrome trace dict (``{"traceEvents": [...], ...}``); ``otherData``
     carries the predicted traffic (:func:`~pipetrain.plan.traffic.traffic_report`)."""
     return chrome_trace(result.events, schedule=result.schedule, measured=False, meta={
