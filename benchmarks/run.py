@@ -47,6 +47,7 @@ from typing import Any
 from baselines import pipetrain_cli
 from bench_models import BATCH_SIZES, balanced_cuts, build_bench_model, child_times, split_point
 from headline import issue13_fields, memory_error, paired_ratio, relative_error
+from predict_memory import measured_tensor_peak
 from predict_time import cli_prediction, measured_time
 from processes import free_port, run_group
 from rss import release_memory
@@ -243,24 +244,20 @@ def _predictions(cfg: Config, ms: list[Measurement], facts: ModelFacts,
         own = cli_prediction(ok[-1].extra)
         if own is not None:
             predicted, source = own, "pipetrain train --json"
-    mem_pred = None
-    for m in reversed(ok):  # the CLI's own memory prediction, when it reports one per worker
-        for k, v in m.extra.items():
-            if "predicted_peak" in k and isinstance(v, list) and v:
-                mem_pred = [float(x) for x in v]
-                break
-        if mem_pred:
-            break
-    mem_pred = mem_pred or facts.predicted.get(cfg.name)
-    # The measured side: pipetrain's own per-worker figure of what the prediction counts (a
-    # key with "measured_peak" or "tensor_peak"), else the peak above the post-import RSS,
-    # else the peak above the set-up RSS.
+    # Memory (docs/performance.md, "Memory"): the tensor peak each worker measured
+    # (``tensor_peak_mib`` of pipetrain's --json) against predict_memory.py's prediction of the
+    # same accounting for the run's own plan and schedule. Older runs without a tensor peak
+    # fall back to the peak RSS (above the post-import RSS, else above the set-up RSS) and the
+    # harness's simulation (baselines/predict.py).
+    mem_pred = facts.memory_predicted.get(cfg.name)
+    pred_src = "predict_memory.py (profile with saved bytes, the run's plan and schedule)" if mem_pred else None
+    if mem_pred is None:
+        mem_pred, pred_src = facts.predicted.get(cfg.name), "baselines/predict.py (harness cut)"
     mem_meas, mem_src = measured_mib, "peak RSS above set-up"
     for m in reversed(ok):
-        keys = [k for k, v in m.extra.items() if ("measured_peak" in k or "tensor_peak" in k)
-                and isinstance(v, list) and v and all(isinstance(x, (int, float)) for x in v)]
-        if keys:
-            mem_meas, mem_src = [float(x) for x in m.extra[keys[0]]], f"pipetrain --json {keys[0]}"
+        tensor = measured_tensor_peak(m.extra)
+        if tensor is not None:
+            mem_meas, mem_src = tensor, "pipetrain --json tensor_peak_mib"
             break
         base = m.extra.get("rss_import_mib")
         if isinstance(base, list) and len(base) == len(m.peak_rss_mib):
@@ -270,6 +267,9 @@ def _predictions(cfg: Config, ms: list[Measurement], facts: ModelFacts,
             "prediction_error": relative_error(predicted, measured), "prediction_source": source,
             "simulation": sim, "memory_predicted_mib_per_worker": mem_pred,
             "memory_measured_mib_per_worker": mem_meas, "memory_measured_source": mem_src,
+            "memory_predicted_source": pred_src,
+            "tensor_peak_by_kind_per_worker": next((m.extra.get("tensor_peak_by_kind") for m in reversed(ok)
+                                                    if m.extra.get("tensor_peak_by_kind")), None),
             "memory_prediction_error": memory_error(mem_pred, mem_meas)}
 
 
@@ -292,7 +292,7 @@ def print_table(report: dict[str, Any]) -> None:
               f"(pipetrain.models {m.get('pipetrain_model_spec')}), {m.get('split')} split: stages begin at children "
               f"{m.get('stage_cuts', {}).get('2')} of {m.get('children')}")
         print(f"  {'config':<26}{'samples/s':>11}{'min-max':>17}{'vs single':>11}{'vs ceil':>9}"
-              f"{'pred/meas ms':>15}{'mem MiB/worker':>18}{'sim MiB':>12}  status")
+              f"{'pred/meas ms':>15}{'mem MiB/worker':>18}{'tensor MiB pred|meas':>24}  status")
         for name, c in r["configs"].items():
             rng = (f"{fmt(c['samples_per_second_min'])}-{fmt(c['samples_per_second_max'])}"
                    if c["samples_per_second_min"] is not None else "-")
@@ -302,16 +302,19 @@ def print_table(report: dict[str, Any]) -> None:
                    if c["peak_rss_mib_per_worker"] else "-")
             sim = "/".join(f"{x:.0f}" for x in (c.get("memory_predicted_mib_per_worker")
                                                   or c["predicted_peak_mib_per_worker"] or [])) or "-"
+            if str(c.get("memory_measured_source", "")).endswith("tensor_peak_mib"):
+                sim += "|" + "/".join(f"{x:.0f}" for x in c["memory_measured_mib_per_worker"])
             pt, mt = c.get("predicted_time_per_minibatch_s"), c.get("measured_time_per_minibatch_s")
             times = f"{fmt(pt and pt * 1e3, '.0f')}/{fmt(mt and mt * 1e3, '.0f')}" if pt or mt else "-"
             err = (c["errors"] or [""])[0]
             why = "ok" if c["status"] == "ok" else f"{c['status']}: {err[:90]}"
             print(f"  {name:<26}{fmt(c['samples_per_second_median']):>11}{rng:>17}"
                   f"{fmt(c['ratio_vs_single'], '.2f'):>11}{fmt(c.get('vs_ceiling'), '.2f'):>9}{times:>15}"
-                  f"{rss:>18}{sim:>12}  {why}")
+                  f"{rss:>18}{sim:>24}  {why}")
         print("  mem: peak RSS of each worker's training phase above its RSS once set up (stage built, peak reset)"
-              " (* = absolute peaks, when a run\n       reports no set-up RSS); sim: the predicted peak (pipetrain's own if its JSON"
-              " has one, else pipetrain.simulate's for the harness's cut)\n  vs ceil: against the ceiling at the same unit"
+              " (* = absolute peaks, when a run\n       reports no set-up RSS); tensor: predicted | measured peak"
+              " of the tensors held (predict_memory.py | pipetrain's\n       tensor_peak_mib; docs/performance.md"
+              " \"Memory\")\n  vs ceil: against the ceiling at the same unit"
               " size (docs/performance.md); pred/meas ms: simulated / measured steady time per minibatch")
         print("  ratios (median of per-round ratios):")
         for key in ("ceiling_vs_single", "ddp_vs_single", "torch_best_vs_single",
@@ -411,6 +414,7 @@ class ModelFacts:
     report: dict[str, Any]  # the "model" entry of the JSON report
     cut_names: dict[int, list[str]] = field(default_factory=dict)  # worker count -> pipetrain --cut names
     time_predicted: dict[str, dict[str, Any]] = field(default_factory=dict)  # config -> simulator's figures
+    memory_predicted: dict[str, list[float]] = field(default_factory=dict)   # config -> tensor peak MiB per worker
 
 
 def predict_times(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
@@ -437,6 +441,33 @@ def predict_times(model: str, cfgs: list[Config], runs: dict[str, list[Measureme
             sim = None
         if sim is not None:
             facts.time_predicted[cfg.name] = sim
+    del predictor
+    release_memory()
+
+
+def predict_memory(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
+                   args: argparse.Namespace) -> None:
+    """After the last round: each pipetrain run's tensor peak per worker, predicted from a profile
+    of the model with what autograd saves (predict_memory.py), for the run's own plan and schedule."""
+    from headline import chosen_of
+    from predict_memory import MemoryPredictor
+
+    try:
+        predictor = MemoryPredictor(build_bench_model(model, seed=args.seed), args.seed)
+    except Exception as e:  # noqa: BLE001 - a prediction failure must not lose the measurements
+        log(f"{model}: no memory predictions ({type(e).__name__}: {e})")
+        return
+    for cfg in cfgs:
+        if cfg.kind != "pipetrain":
+            continue
+        chosen = chosen_of(runs.get(cfg.name, []))
+        try:
+            mem = predictor.predict(chosen, args.steps_for[model]) if chosen else None
+        except Exception as e:  # noqa: BLE001
+            log(f"{model} {cfg.name}: no memory prediction ({type(e).__name__}: {e})")
+            mem = None
+        if mem is not None:
+            facts.memory_predicted[cfg.name] = mem
     del predictor
     release_memory()
 
@@ -508,8 +539,9 @@ def main(argv: list[str]) -> int:
                     + (f"{m.samples_per_second:9.1f} samples/s" if m.samples_per_second
                        else f"{m.status}: {m.error}") + f"   ({m.extra['run_wall_s']:.1f} s)")
     for model in args.models:
-        log(f"{model}: predicting the time per minibatch of every pipetrain run")
+        log(f"{model}: predicting the time per minibatch and the tensor memory of every pipetrain run")
         predict_times(model, cfgs, runs[model], facts[model], args)
+        predict_memory(model, cfgs, runs[model], facts[model], args)
     report: dict[str, Any] = {
         m: summarise(m, runs[m], cfgs, args.microbatches, facts[m])
         for m in args.models}

@@ -10,7 +10,8 @@
   (pipedream: 2 at stage 0 of 2, flush 1, 2bw 2); and
   :func:`~pipetrain.simulate.memory.predict_tensor_memory`, from a profile of the same model,
   is within 20% of the measured peak on every rank, for an MLP and a small GPT under
-  flush, pipedream, 2bw, zerobubble and dp (byte counts: deterministic, not timings).
+  flush, pipedream, 2bw, zerobubble and dp, and flush with Adam (whose state, 2x the stage's
+  weights, is measured exactly); byte counts: deterministic, not timings.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from pipetrain.plan.memory import node_held_bytes, stage_memory
 from pipetrain.profile import profile_model
 from pipetrain.profile.io import profile_from_dict, profile_to_dict
 from pipetrain.run import resolve_run
-from pipetrain.runtime import TrainConfig, launch_local
+from pipetrain.runtime import OptimizerConfig, TrainConfig, launch_local
 from pipetrain.runtime.tensor_memory import KINDS, TensorLedger
 from pipetrain.simulate.memory import predict_tensor_memory
 
@@ -92,7 +93,10 @@ MODELS: dict[str, tuple[dict[str, Any], int]] = {
     "mlp": ({"depth": 4, "width": 256, "in_features": 128, "num_classes": 10}, 32),
     "gpt": ({"vocab": 512, "d_model": 64, "layers": 2, "heads": 4, "seq_len": 32}, 8),
 }
-CASES = [("flush", 2, "1-1"), ("pipedream", 1, "1-1"), ("2bw", 4, "1-1"), ("zerobubble", 4, "1-1"), ("dp", 2, "2")]
+# (schedule, microbatches, config, optimizer): Adam keeps 2x the weights in state, plain SGD none.
+CASES = [("flush", 2, "1-1", "sgd"), ("pipedream", 1, "1-1", "sgd"), ("2bw", 4, "1-1", "sgd"),
+         ("zerobubble", 4, "1-1", "sgd"), ("dp", 2, "2", "sgd"), ("flush", 2, "1-1", "adam")]
+OPTIMIZER_STATE = {"sgd": 0.0, "adam": 2.0}
 STEPS = 4
 
 
@@ -100,8 +104,9 @@ def _runs(model: str) -> tuple[list[Any], list[Any]]:
     opts, batch = MODELS[model]
     runs = [resolve_run(TrainConfig.of(model=model, model_options=opts, schedule=s, workers=2, config=c,
                                        microbatches=m, batch_size=batch, steps=STEPS, warmup_steps=1,
-                                       timeout=60, quiet=True, threads=1, seed=0))
-            for s, m, c in CASES]
+                                       timeout=60, quiet=True, threads=1, seed=0,
+                                       optimizer=OptimizerConfig(opt, lr=0.01)))
+            for s, m, c, opt in CASES]
     return runs, launch_local(runs, timeout=120)
 
 
@@ -116,14 +121,14 @@ def test_predicted_tensor_peak_within_20_percent(model: str) -> None:
     _, target = bundle.make_batch(batch, torch.Generator().manual_seed(0))
     target_bytes = target.numel() * target.element_size()
     errors = {}
-    for (sched, m, _), run, res in zip(CASES, runs, results):
+    for (sched, _, _, opt), run, res in zip(CASES, runs, results):
         assert len(res.tensor_peak_bytes) == 2 and all(b and b > 0 for b in res.tensor_peak_bytes)
         assert set(res.tensor_peak_by_kind[0]) == set(KINDS)
         seg = run.segments[-1]
-        pred = predict_tensor_memory(seg.schedule, run.plan, prof, optimizer_state=0.0, data_steps=seg.steps,
-                                     target_bytes=target_bytes)
+        pred = predict_tensor_memory(seg.schedule, run.plan, prof, optimizer_state=OPTIMIZER_STATE[opt],
+                                     data_steps=seg.steps, target_bytes=target_bytes)
         for r, (p, meas) in enumerate(zip(pred, res.tensor_peak_bytes)):
-            errors[(sched, r)] = abs(p - meas) / meas
+            errors[(sched, opt, r)] = abs(p - meas) / meas
         # The weights counted are the stage's weight bytes times the versions the rule keeps.
         stage_params = [sum(prof[n].parameter_bytes for n in st.nodes) for st in run.plan.stages]
         versions = {"flush": [1, 1], "pipedream": [2, 1], "2bw": [2, 2], "zerobubble": [1, 1], "dp": [1, 1]}[sched]
@@ -131,6 +136,27 @@ def test_predicted_tensor_peak_within_20_percent(model: str) -> None:
             k = run.schedule.stages_of_rank(r)[0]
             assert res.tensor_peak_by_kind[r]["weights"] == pytest.approx(versions[r] * stage_params[k], rel=0.01), \
                 (sched, r, res.tensor_peak_by_kind[r])
-    print(model, {k: round(v, 3) for k, v in errors.items()})
+            assert res.tensor_max_by_kind[r]["optimizer"] == pytest.approx(OPTIMIZER_STATE[opt] * stage_params[k],
+                                                                           rel=0.01)
     worst = max(errors, key=errors.__getitem__)
     assert errors[worst] < 0.20, f"{model}: predicted vs measured tensor peak off by {errors[worst]:.1%} at {worst}"
+
+
+def test_simulator_counts_the_receive_buffer_pool() -> None:
+    """Receive buffers are held from their post (``lookahead`` actions ahead of the RECV) to the
+    unit's backward end, and the pool keeps the most ever in use. Flush m=2, 2 stages, 3 steps:
+    posted one action ahead, the last stage (F then B at once) needs 1 activation buffer and
+    stage 0 (2 units in flight) 2 gradient buffers; posted 8 ahead (the runtime's default), the
+    next step's receives are posted before this step's backwards end: 3 of each."""
+    from pipetrain.schedule import get_schedule
+    from pipetrain.simulate import StageCost, StageCosts, simulate
+
+    sched = get_schedule("flush").build([1, 1], microbatches=2, steps=3)
+    plain = [StageCost(1.0, 2.0, parameter_bytes=1000, activation_bytes=10) for _ in range(2)]
+    base = simulate(sched, StageCosts(plain)).peak_memory
+    sends = [StageCost(1.0, 2.0, activation_send_bytes=300, parameter_bytes=1000, activation_bytes=10),
+             StageCost(1.0, 2.0, grad_send_bytes=70, parameter_bytes=1000, activation_bytes=10)]
+    for lookahead, buffers in ((1, (2, 1)), (8, (3, 3))):
+        peak = simulate(sched, StageCosts(sends, lookahead=lookahead)).peak_memory
+        assert peak[0] - base[0] == pytest.approx(buffers[0] * 70), lookahead
+        assert peak[1] - base[1] == pytest.approx(buffers[1] * 300), lookahead

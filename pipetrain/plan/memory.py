@@ -3,10 +3,14 @@
 A worker of stage ``k`` (``P`` stages, ``r_k`` replicas, ``W_k`` workers in stages ``>= k``)
 holds its stage's parameters ``p``, their gradients ``p``, optimizer state ``s * p``
 (``s = profile.optimizer_state_bytes_per_parameter_byte``), weight versions, and for every
-unit (minibatch or microbatch) in flight the stage's activations ``a`` (the outputs of its
-nodes) plus its input ``x`` (every tensor crossing the cut before it: relayed skip
-connections included, see design.md "Relay"). With ``m`` microbatches a minibatch, a
-microbatch holds ``(a + x) / m``.
+unit (minibatch or microbatch) in flight the stage's activations ``a`` plus its input ``x``
+(every tensor crossing the cut before it, the receive buffers: relayed skip connections
+included, see design.md "Relay"). With ``m`` microbatches a minibatch, a microbatch holds
+``(a + x) / m``. ``a`` is what autograd saves for the backward (:func:`node_held_bytes`,
+from the profiler's per-node ``saved_bytes``; the loss's on the last stage), the accounting
+the simulator (:mod:`pipetrain.simulate.memory`) and the runtime's tensor ledger
+(:mod:`pipetrain.runtime.tensor_memory`) use; a profile without those fields falls back to
+the outputs of the stage's nodes.
 
 ============  ===========================================  ===============  ==============
 schedule      units in flight                              unit size        weight copies

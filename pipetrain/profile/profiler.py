@@ -23,6 +23,7 @@ The model's buffers, parameter gradients and the global RNG are left as they wer
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import statistics
 import time
@@ -306,7 +307,7 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
             else:
                 f, b, _ = timer.time(node, env)
                 # One more (untimed) run under saved-tensor hooks: what this node keeps for backward.
-                out, nbytes, ins, own = saved.measure(lambda: timer.run_once(node, env))
+                out, nbytes, ins, own = saved.measure(functools.partial(timer.run_once, node, env))
                 env[node.name] = _leafify(out)
                 saved.register(node.name, env[node.name])
                 kept[node.name] = (nbytes, ins, own)

@@ -108,6 +108,7 @@ class RunResult:
     stage_first_nodes: list[str] = field(default_factory=list)
     stage_first_modules: list[str] = field(default_factory=list)
     saved: str | None = None
+    skipped_steps: int = 0                    # steps dropped by --skip-nonfinite
     alive_versions: dict[str, int] | None = None
     run: dict[str, Any] = field(default_factory=dict)       # ResolvedRun.to_json()
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False)

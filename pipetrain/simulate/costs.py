@@ -41,8 +41,13 @@ class StageCost:
         optimizer_bytes: bytes of optimizer state (held once, besides the weights' gradient).
         weight_grad_fraction: share of ``backward_time`` that is the weight-gradient half W.
         data_bytes: bytes of input data the stage's worker keeps (cached minibatches), held throughout.
-        gradient_bytes: bytes of the gradient accumulators (None: ``parameter_bytes``, every
-            weight trainable).
+        gradient_bytes: bytes of the gradient accumulators held throughout (None:
+            ``parameter_bytes``, every weight's). The runtime's persistent ones: fused ``Linear``
+            sinks and the flat all-reduce buffers of replicated stages.
+        transient_gradient_bytes: bytes of gradients held only from a group's first backward
+            (B or W) to its STEP (the ones autograd returns, kept in the accumulator dict).
+        kept_grad_bytes: bytes a zero-bubble I keeps for its W per unit (the gradients at the
+            outputs of the layers holding weights), held from the end of I to the end of W.
     """
 
     forward_time: float
@@ -56,6 +61,8 @@ class StageCost:
     weight_grad_fraction: float = 0.5
     data_bytes: float = 0.0
     gradient_bytes: float | None = None
+    kept_grad_bytes: float = 0.0
+    transient_gradient_bytes: float = 0.0
 
     @property
     def gradient_held(self) -> float:
@@ -162,7 +169,7 @@ class StageCosts:
 
     @staticmethod
     def from_plan(plan: Plan, profile: Profile, topology: Topology | None = None, units: int = 1,
-                  step_time: float = 0.0, latency: float = 0.0) -> "StageCosts":
+                  step_time: float = 0.0, latency: float = 0.0, fused_linear: bool = True) -> "StageCosts":
         """Costs of the plan's stages from the profile, for units of ``1/units`` minibatch.
 
         Args:
@@ -172,6 +179,9 @@ class StageCosts:
             units: units per minibatch (the microbatch count; 1 for pipedream).
             step_time: seconds of one optimizer step of a stage.
             latency: seconds added to every transfer.
+            fused_linear: the runtime's ``--fused-grads`` (default): the gradients of ``Linear``
+                layers (and of every weight of a replicated stage) live in persistent buffers;
+                the others exist from a group's first backward to its STEP.
         """
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
             raise PlanError(f"units must be an integer >= 1 (got {units!r}); pass the number of microbatches per minibatch")
@@ -206,6 +216,8 @@ class StageCosts:
         bwd = [0.0] * S
         params = [0.0] * S
         held = [0.0] * S
+        linear = [0.0] * S  # weight bytes of Linear layers (fused gradient sinks)
+        kept = [0.0] * S  # [zero-bubble] output bytes of the weight-holding layers: what I keeps for W
         # What a unit really holds (plan/memory.py): autograd's saved tensors, when the profile
         # measured them; else every node's output and the stage's input (the older rule).
         from ..plan.memory import loss_held_bytes, node_held_bytes  # plan imports the simulator's costs
@@ -223,7 +235,11 @@ class StageCosts:
                 fwd[k] += node.forward_time
                 bwd[k] += node.backward_time
                 held[k] += node.activation_bytes if saved is None else saved[node.name]
+                if node.parameter_bytes > 0 and k > 0:  # stage 0's I does nothing (no input gradient)
+                    kept[k] += node.activation_bytes
             params[k] += node.parameter_bytes
+            if fused_linear and node.kind == "module" and node.op.startswith("Linear("):
+                linear[k] += node.parameter_bytes
             for cut in range(k, last_reader.get(node.name, k)):
                 cut_act[cut] += node.activation_bytes
                 if not node.is_input:
@@ -245,6 +261,8 @@ class StageCosts:
                 activation_bytes=(held[k] + received) / units,
                 step_time=step_time,
                 optimizer_bytes=params[k] * osb,
+                kept_grad_bytes=kept[k] / units,
+                **_gradient_split(params[k], linear[k], plan.stages[k].replicas, profile.has_saved_bytes),
             ))
         topo = topology if topology is not None else plan.topology
         return StageCosts(stages, latency=latency, topology=topo,
@@ -253,6 +271,14 @@ class StageCosts:
     def with_step_time(self, step_time: float) -> "StageCosts":
         """A copy with every stage's optimizer step taking ``step_time`` seconds."""
         return replace(self, stages=[replace(s, step_time=step_time) for s in self.stages])
+
+
+def _gradient_split(params: float, linear: float, replicas: int, exact: bool) -> dict[str, float | None]:
+    """StageCost's gradient fields: every gradient persistent (the older rule, or a replicated
+    stage's flat buffers), else the Linear sinks persistent and the rest transient."""
+    if not exact or replicas > 1:
+        return {"gradient_bytes": None, "transient_gradient_bytes": 0.0}
+    return {"gradient_bytes": linear, "transient_gradient_bytes": params - linear}
 
 
 def _check_seconds(value: object, name: str, unit: str = "seconds") -> None:

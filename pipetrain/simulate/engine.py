@@ -325,6 +325,7 @@ def _memory(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]],
         deltas: list[tuple[float, int, float, int, int]] = []
         fstart: dict[tuple[int, int], float] = {}
         bend: dict[tuple[int, int], float] = {}
+        iend: dict[tuple[int, int], float] = {}
         step_end: dict[tuple[int, int], float] = {}
         last_use: dict[tuple[int, int], float] = {}
         for e in tl:
@@ -333,6 +334,8 @@ def _memory(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]],
                 fstart[(a.stage, a.mb)] = e.start
             elif a.op in _BACKWARD_END:
                 bend[(a.stage, a.mb)] = e.end
+            if a.op is Op.I:
+                iend[(a.stage, a.mb)] = e.end
             elif a.op is Op.STEP:
                 step_end[(a.stage, a.mb)] = e.end
             if a.version is not None and a.op in (Op.F, Op.B, Op.I, Op.W):
@@ -343,6 +346,27 @@ def _memory(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]],
             act = costs[k].activation_bytes
             deltas.append((t0, 1, act, 1, 0))
             deltas.append((t1, 0, -act, -1, 0))
+            kept = costs[k].kept_grad_bytes
+            if (k, u) in iend and kept > 0:  # [zero-bubble] what I keeps for W
+                deltas.append((iend[(k, u)], 1, kept, 0, 0))
+                deltas.append((t1, 0, -kept, 0, 0))
+        for k in stages:  # gradients autograd returns: from a group's first backward to its STEP
+            grad = costs[k].transient_gradient_bytes
+            if grad <= 0:
+                continue
+            held_since: float | None = None
+            for e in tl:
+                a = e.action
+                if a.stage != k:
+                    continue
+                if a.op in _BACKWARD_END and held_since is None:
+                    held_since = e.end
+                    deltas.append((e.end, 1, grad, 0, 0))
+                elif a.op is Op.STEP and held_since is not None:
+                    deltas.append((e.end, 0, -grad, 0, 0))
+                    held_since = None
+            if held_since is not None:
+                deltas.append((makespan, 0, -grad, 0, 0))
         for k in stages:
             nsteps = sum(1 for (s, _) in step_end if s == k)
             for v in range(nsteps + 1):

@@ -30,8 +30,9 @@ from .engine import simulate
 __all__ = ["predict_tensor_memory"]
 
 
-def predict_tensor_memory(schedule: Schedule, plan: Plan, profile: Profile, *, optimizer_state: float | None = None,
-                          data_steps: int = 0, target_bytes: float = 0.0, lookahead: int = 8) -> list[float]:
+def predict_tensor_memory(schedule: Schedule, plan: Plan, profile: Profile, *,
+                          optimizer_state: float | None = None, data_steps: int = 0, target_bytes: float = 0.0,
+                          lookahead: int = 8) -> list[float]:
     """Peak bytes per worker of running ``schedule`` on ``plan`` (module docstring).
 
     Args:
@@ -51,7 +52,7 @@ def predict_tensor_memory(schedule: Schedule, plan: Plan, profile: Profile, *, o
     factor = profile.optimizer_state_bytes_per_parameter_byte if optimizer_state is None else optimizer_state
     inputs = float(sum(n.activation_bytes for n in profile.nodes if n.is_input))
     last = len(costs) - 1
-    costs.stages = [replace(st, optimizer_bytes=factor * st.parameter_bytes,
-                            data_bytes=data_steps * ((inputs if k == 0 else 0.0) + (target_bytes if k == last else 0.0)))
+    data = [(inputs if k == 0 else 0.0) + (target_bytes if k == last else 0.0) for k in range(len(costs))]
+    costs.stages = [replace(st, optimizer_bytes=factor * st.parameter_bytes, data_bytes=data_steps * data[k])
                     for k, st in enumerate(costs.stages)]
     return list(simulate(schedule, costs).peak_memory)
