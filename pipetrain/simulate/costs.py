@@ -169,7 +169,8 @@ class StageCosts:
 
     @staticmethod
     def from_plan(plan: Plan, profile: Profile, topology: Topology | None = None, units: int = 1,
-                  step_time: float = 0.0, latency: float = 0.0, fused_linear: bool = True) -> "StageCosts":
+                  step_time: float = 0.0, latency: float = 0.0,
+                  fused_linear: bool = True) -> "StageCosts":
         """Costs of the plan's stages from the profile, for units of ``1/units`` minibatch.
 
         Args:
@@ -252,6 +253,8 @@ class StageCosts:
             # the older rule counts the received input as held; with saved bytes, the receive
             # buffers are the simulator's communication pool (engine._memory)
             received = cut_act[k - 1] if k > 0 and saved is None else 0.0
+            persistent, transient = _gradient_split(params[k], linear[k], plan.stages[k].replicas,
+                                                    profile.has_saved_bytes)
             stages.append(StageCost(
                 forward_time=fwd[k] / units,
                 backward_time=bwd[k] / units,
@@ -262,7 +265,7 @@ class StageCosts:
                 step_time=step_time,
                 optimizer_bytes=params[k] * osb,
                 kept_grad_bytes=kept[k] / units,
-                **_gradient_split(params[k], linear[k], plan.stages[k].replicas, profile.has_saved_bytes),
+                gradient_bytes=persistent, transient_gradient_bytes=transient,
             ))
         topo = topology if topology is not None else plan.topology
         return StageCosts(stages, latency=latency, topology=topo,
@@ -273,12 +276,13 @@ class StageCosts:
         return replace(self, stages=[replace(s, step_time=step_time) for s in self.stages])
 
 
-def _gradient_split(params: float, linear: float, replicas: int, exact: bool) -> dict[str, float | None]:
-    """StageCost's gradient fields: every gradient persistent (the older rule, or a replicated
-    stage's flat buffers), else the Linear sinks persistent and the rest transient."""
+def _gradient_split(params: float, linear: float, replicas: int, exact: bool) -> tuple[float | None, float]:
+    """StageCost's ``gradient_bytes`` and ``transient_gradient_bytes``: every gradient persistent
+    (the older rule, or a replicated stage's flat buffers), else the Linear sinks persistent
+    and the rest transient."""
     if not exact or replicas > 1:
-        return {"gradient_bytes": None, "transient_gradient_bytes": 0.0}
-    return {"gradient_bytes": linear, "transient_gradient_bytes": params - linear}
+        return None, 0.0
+    return linear, params - linear
 
 
 def _check_seconds(value: object, name: str, unit: str = "seconds") -> None:

@@ -36,7 +36,9 @@ Derived figures (see docs/schedules.md, "Simulator"):
   ``bytes_per_sample`` in the summary when the costs know the batch size.
 - peak memory per worker, the accounting of the runtime's tensor ledger
   (:mod:`pipetrain.runtime.tensor_memory`, docs/performance.md "Memory"): gradient
-  accumulators + optimizer state + cached input data, plus, over time, live weight versions
+  accumulators held throughout (fused ``Linear`` sinks, flat all-reduce buffers) + optimizer
+  state + cached input data, plus, over time, the other gradients (from a group's first
+  backward to its STEP), live weight versions
   (a version lives from the step that makes it until it is superseded and no longer used)
   times the stage's weight bytes, units in flight (forward started, last backward piece not
   ended) times the stage's activation bytes (what autograd saves), and the receive buffers

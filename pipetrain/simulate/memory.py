@@ -6,7 +6,8 @@
 
 - weights: live weight versions (the schedule's version rule: pipedream up to ``P - s`` at
   stage ``s``, 2bw 2, flushed schedules 1) times the stage's weight bytes;
-- gradients: one accumulator per weight (``parameter_bytes``);
+- gradients: one accumulator per weight: fused ``Linear`` sinks (and a replicated stage's
+  flat buffers) throughout, the others from a group's first backward to its STEP;
 - optimizer state: ``optimizer_state`` bytes per weight byte (SGD 0, with momentum 1, Adam 2);
 - activations: per unit in flight, what autograd saves in the stage's forward (the profile's
   per-node ``saved_bytes``, :func:`pipetrain.plan.memory.node_held_bytes`; the loss's on the
