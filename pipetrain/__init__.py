@@ -11,7 +11,7 @@ The data flow is model -> graph -> profile -> plan -> schedule -> simulate | run
     spec = pt.get_schedule("pipedream")                          # what the schedule is (unit, options...)
     sched = spec.build(p.replicas, steps=8)                      # per-worker action lists
     result = pt.simulate(sched, pt.StageCosts.from_plan(p, prof))
-    pt.train(pt.TrainConfig(model="mlp", workers=2, schedule="pipedream", steps=20))
+    pt.train(pt.TrainConfig.of(model="mlp", data="digits", workers=2, config="1-1", schedule="pipedream", epochs=2))
 
 Errors caused by user input are :class:`PipetrainError` (a ``ValueError``) with one line
 that states the rule, the values and the fix.

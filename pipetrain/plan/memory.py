@@ -28,8 +28,9 @@ with ``N`` workers holds ``NOAM = ceil(N / r_0)`` minibatches.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from ..errors import PlanError
 from ..profile.types import Profile

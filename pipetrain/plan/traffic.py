@@ -55,8 +55,9 @@ exact when every parameter is trainable float32 and no stage holds buffers (batc
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from ..schedule.action import Op, Schedule
@@ -161,13 +162,13 @@ class Traffic:
     def _fields(self) -> tuple[str, ...]:
         return ("sent", "received", "messages_sent", "messages_received", "reduced")
 
-    def copy(self) -> "Traffic":
+    def copy(self) -> Traffic:
         return Traffic(*(dict(getattr(self, f)) for f in self._fields()))
 
-    def __add__(self, other: "Traffic") -> "Traffic":
+    def __add__(self, other: Traffic) -> Traffic:
         return Traffic(*({k: getattr(self, f)[k] + getattr(other, f)[k] for k in KINDS} for f in self._fields()))
 
-    def __sub__(self, other: "Traffic") -> "Traffic":
+    def __sub__(self, other: Traffic) -> Traffic:
         """What was counted since ``other`` (a :meth:`copy` taken earlier): e.g. the timed segment."""
         return Traffic(*({k: getattr(self, f)[k] - getattr(other, f)[k] for k in KINDS} for f in self._fields()))
 
@@ -180,7 +181,7 @@ class Traffic:
         return d
 
     @staticmethod
-    def from_json(d: Mapping[str, Any]) -> "Traffic":
+    def from_json(d: Mapping[str, Any]) -> Traffic:
         """The inverse of :meth:`to_json` (totals are recomputed)."""
         t = Traffic()
         for f in t._fields():
@@ -384,7 +385,7 @@ def _per_unit(nbytes: int, unit_samples: int, batch: int) -> float:
     return q if r == 0 else nbytes * unit_samples / batch
 
 
-def _node_lists(stages: "Plan | Sequence[Stage] | Sequence[Sequence[str]]") -> list[list[str]]:
+def _node_lists(stages: Plan | Sequence[Stage] | Sequence[Sequence[str]]) -> list[list[str]]:
     from .types import Plan, Stage
 
     if isinstance(stages, Plan):
@@ -392,7 +393,7 @@ def _node_lists(stages: "Plan | Sequence[Stage] | Sequence[Sequence[str]]") -> l
     return [list(s.nodes) if isinstance(s, Stage) else list(s) for s in stages]
 
 
-def plan_cut_bytes(stages: "Plan | Sequence[Stage] | Sequence[Sequence[str]]", profile: "Profile",
+def plan_cut_bytes(stages: Plan | Sequence[Stage] | Sequence[Sequence[str]], profile: Profile,
                    unit_samples: int) -> list[CutBytes]:
     """What one unit of ``unit_samples`` samples moves across every cut of ``stages``.
 
@@ -431,14 +432,14 @@ def plan_cut_bytes(stages: "Plan | Sequence[Stage] | Sequence[Sequence[str]]", p
     return [CutBytes(_per_unit(a, unit_samples, batch), _per_unit(g, unit_samples, batch)) for a, g in zip(act, grad)]
 
 
-def plan_stage_param_bytes(stages: "Plan | Sequence[Stage] | Sequence[Sequence[str]]", profile: "Profile") -> list[int]:
+def plan_stage_param_bytes(stages: Plan | Sequence[Stage] | Sequence[Sequence[str]], profile: Profile) -> list[int]:
     """The parameter bytes of every stage (its nodes' ``parameter_bytes``; see the module docstring)."""
     lists = _node_lists(stages)
     known = set(profile.names)
     return [sum(profile[n].parameter_bytes for n in nodes if n in known) for nodes in lists]
 
 
-def plan_traffic(plan: "Plan", profile: "Profile", schedule: Schedule, unit_samples: int | None = None, *,
+def plan_traffic(plan: Plan, profile: Profile, schedule: Schedule, unit_samples: int | None = None, *,
                  global_clip: bool = False) -> dict[int, Traffic]:
     """:func:`predict_traffic` of ``schedule`` with the cut and parameter sizes of ``plan`` from ``profile``.
 

@@ -217,7 +217,8 @@ def _choose_plan(cfg: TrainConfig, captured: Any, bundle: Any, batch: int, worke
         note = f"--cut {par.cut}" + (f" with --config {par.config}" if par.config is not None else "")
         return split_at_cuts(captured, parse_cut(par.cut), replicas or [], name, batch), note
     if par.config is not None:
-        return split_by_config(captured, replicas or [], name, batch), f"--config {par.config} split by estimated compute"
+        note = f"--config {par.config} split by estimated compute"
+        return split_by_config(captured, replicas or [], name, batch), note
     if replicas is not None:
         if spec.one_stage:
             return split_by_config(captured, replicas, name, batch), f"one stage on every worker ({spec.name})"

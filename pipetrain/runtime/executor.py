@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -154,7 +155,7 @@ class StageRuntime:
             for flat in self.flats.values():
                 if count != 1:
                     flat[:-1].div_(count)
-            grads: dict[str, Tensor | None] = {n: (self.views[n] if n in self.views else None) for n in self.trainable}
+            grads: dict[str, Tensor | None] = {n: self.views.get(n) for n in self.trainable}
         else:
             count = float(self.acc_count)
             if count <= 0:

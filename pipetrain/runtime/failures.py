@@ -41,7 +41,7 @@ class WorkerFailure(RuntimeError):
         self.user_error = user_error
 
     @classmethod
-    def of(cls, record: "FailureRecord") -> "WorkerFailure":
+    def of(cls, record: FailureRecord) -> WorkerFailure:
         return cls(record.rank, record.message if record.user_error else f"{record.type}: {record.message}",
                    record.user_error)
 
@@ -57,7 +57,7 @@ class FailureRecord:
     caused_by: int | None = None   # the root failure's rank, if this one followed from it
 
     @classmethod
-    def of(cls, rank: int, exc: BaseException, caused_by: int | None = None) -> "FailureRecord":
+    def of(cls, rank: int, exc: BaseException, caused_by: int | None = None) -> FailureRecord:
         text = str(exc).strip()
         return cls(rank, type(exc).__name__, isinstance(exc, PipetrainError),
                    text.splitlines()[0] if text else "", caused_by)
@@ -66,7 +66,7 @@ class FailureRecord:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, text: str | bytes) -> "FailureRecord":
+    def from_json(cls, text: str | bytes) -> FailureRecord:
         return cls(**json.loads(text))
 
 
@@ -87,7 +87,7 @@ class FailureBoard:
         return _RANK_KEY.format(self.attempt, rank)
 
     @classmethod
-    def latest(cls, store: Any, attempts: int, world: int) -> "FailureBoard":
+    def latest(cls, store: Any, attempts: int, world: int) -> FailureBoard:
         """The board of the last attempt that recorded a failure (the launcher's view after a run)."""
         for attempt in reversed(range(attempts)):
             board = cls(store, attempt)

@@ -14,8 +14,9 @@ no plan and no schedule (``plan is None``, ``segments`` give the step counts onl
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import RuntimeConfigError
 from ..plan.types import Plan

@@ -21,10 +21,11 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,24 +37,24 @@ from ..schedule.action import Schedule
 from ..schedule.events import steady_state_rates, write_chrome_trace
 from .checkpoint import check_resumable, load_checkpoint, save_final
 from .checkpointing import RankView, every_name, lookup_any_name, restore, save_at_boundary, segments_done
-from .peers import naming_peer, restart_store
-from .numerics import NumericsGuard
 from .comm import Comm, cut_bytes, reduce_buffers
 from .config import TrainConfig, parse_debug_fail
 from .data import UnitData, stage_part, unit_source
 from .evaluation import evaluate
-from .monitor import TrainMonitor
 from .executor import Executor, StageRuntime
 from .failures import FailureBoard, FailureRecord, connect_board
 from .log import setup_logging
 from .memory import peak_rss_life_mib, proc_status_mib, reset_peak_rss, tune_malloc
-from .tensor_memory import attach as attach_tensor_memory  # [tensor memory] H-mem
 from .model import load_bundle
+from .monitor import TrainMonitor
+from .numerics import NumericsGuard
 from .optim import FunctionalOptimizer
+from .peers import naming_peer, restart_store
 from .reference import stage_step_count
 from .resolved import ResolvedRun
 from .result import RankReport, RunResult
 from .stage import boundary_codecs, build_stage_modules, partition_graph
+from .tensor_memory import attach as attach_tensor_memory  # [tensor memory] H-mem
 from .tied import TiedSync, alias_state, check_ties, stage_parameters, tied_buffers
 
 __all__ = ["worker_main", "run_rank", "init_distributed", "tune_malloc", "shutdown_process_group"]

@@ -17,8 +17,9 @@ Times are seconds, sizes bytes, bandwidths bytes/second.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import PlanError, ProfileError
 from ..plan.types import Plan, Topology
@@ -148,7 +149,7 @@ class StageCosts:
     # -- constructors ------------------------------------------------------------------
     @staticmethod
     def synthetic(num_stages: int, forward_time: float | Sequence[float], backward_time: float | Sequence[float],
-                  step_time: float = 0.0, activation_bytes: float = 1.0, parameter_bytes: float = 1.0) -> "StageCosts":
+                  step_time: float = 0.0, activation_bytes: float = 1.0, parameter_bytes: float = 1.0) -> StageCosts:
         """Costs with given per-unit times (a number for every stage, or one per stage) and no communication.
 
         ``activation_bytes`` and ``parameter_bytes`` default to 1 so that peak memory counts
@@ -157,7 +158,8 @@ class StageCosts:
         from ..errors import ScheduleError
 
         if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
-            raise ScheduleError(f"num_stages must be an integer >= 1, got {num_stages!r}; pass the schedule's stage count")
+            raise ScheduleError(
+                f"num_stages must be an integer >= 1, got {num_stages!r}; pass the schedule's stage count")
         _check_seconds(step_time, "step_time")
         for value, name in ((activation_bytes, "activation_bytes"), (parameter_bytes, "parameter_bytes")):
             _check_seconds(value, name, unit="bytes")
@@ -170,7 +172,7 @@ class StageCosts:
     @staticmethod
     def from_plan(plan: Plan, profile: Profile, topology: Topology | None = None, units: int = 1,
                   step_time: float = 0.0, latency: float = 0.0,
-                  fused_linear: bool = True) -> "StageCosts":
+                  fused_linear: bool = True) -> StageCosts:
         """Costs of the plan's stages from the profile, for units of ``1/units`` minibatch.
 
         Args:
@@ -185,11 +187,14 @@ class StageCosts:
                 the others exist from a group's first backward to its STEP.
         """
         if isinstance(units, bool) or not isinstance(units, int) or units < 1:
-            raise PlanError(f"units must be an integer >= 1 (got {units!r}); pass the number of microbatches per minibatch")
+            raise PlanError(
+                f"units must be an integer >= 1 (got {units!r}); pass the number of microbatches per minibatch")
         if not isinstance(plan, Plan):
-            raise PlanError(f"from_plan() needs a Plan, got {type(plan).__name__}; load one with Plan.load('plan.json')")
+            raise PlanError(
+                f"from_plan() needs a Plan, got {type(plan).__name__}; load one with Plan.load('plan.json')")
         if not isinstance(profile, Profile):
-            raise ProfileError(f"from_plan() needs a Profile, got {type(profile).__name__}; load one with load_profile(path)")
+            raise ProfileError(
+                f"from_plan() needs a Profile, got {type(profile).__name__}; load one with load_profile(path)")
         _check_seconds(step_time, "step_time")
         _check_seconds(latency, "latency")
         S = plan.num_stages
@@ -271,7 +276,7 @@ class StageCosts:
         return StageCosts(stages, latency=latency, topology=topo,
                           extra={"units": units, "batch_size": profile.batch_size, "model": profile.model})
 
-    def with_step_time(self, step_time: float) -> "StageCosts":
+    def with_step_time(self, step_time: float) -> StageCosts:
         """A copy with every stage's optimizer step taking ``step_time`` seconds."""
         return replace(self, stages=[replace(s, step_time=step_time) for s in self.stages])
 
@@ -304,7 +309,8 @@ def _per_stage(value: float | Sequence[float], n: int, name: str) -> list[float]
             if len(vals) == 1:
                 vals = vals * n
     except (TypeError, ValueError):
-        raise ScheduleError(f"{name} must be a number of seconds or one per stage, got {value!r}; pass e.g. 1.0 or [1.0, 2.0]") from None
+        raise ScheduleError(f"{name} must be a number of seconds or one per stage, got {value!r}; "
+                            f"pass e.g. 1.0 or [1.0, 2.0]") from None
     if len(vals) != n:
         raise ScheduleError(f"{name} needs one value or one per stage ({n} stages), got {len(vals)}: {list(vals)}")
     if any(not 0 <= v < math.inf for v in vals):
