@@ -104,7 +104,7 @@ def _runs(model: str) -> tuple[list[Any], list[Any]]:
     opts, batch = MODELS[model]
     runs = [resolve_run(TrainConfig.of(model=model, model_options=opts, schedule=s, workers=2, config=c,
                                        microbatches=m, batch_size=batch, steps=STEPS, warmup_steps=1,
-                                       timeout=60, quiet=True, threads=1, seed=0,
+                                       timeout=60, quiet=True, threads=1, seed=0, measure_memory=True,
                                        optimizer=OptimizerConfig(opt, lr=0.01)))
             for s, m, c, opt in CASES]
     return runs, launch_local(runs, timeout=120)

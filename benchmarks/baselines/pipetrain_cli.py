@@ -57,7 +57,7 @@ def command(cli: str, model_spec: str, schedule: str | None, workers: int, confi
     if schedule is not None:
         cmd += ["--schedule", schedule, "--microbatches", str(microbatches)]
     cmd += ["--steps", str(steps), "--warmup-steps", str(warmup),
-            "--seed", str(seed), "--log-every", "0", "--threads", "1", "--json"]
+            "--seed", str(seed), "--log-every", "0", "--threads", "1", "--json", "--measure-memory"]
     if config:
         cmd += ["--config", config]
     if cut:  # the harness's cut, so every configuration trains the same stages

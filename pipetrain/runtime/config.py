@@ -552,6 +552,9 @@ class PerformanceSection:
     fused_grads: bool = setting(True, "accumulate Linear weight gradients through autograd (by default the "
                                       "backward's GEMM adds them into the accumulator in place)",
                                 flag="--no-fused-grads", kind="false")
+    measure_memory: bool = setting(False, "count the tensor memory each worker holds, by kind, and report its peak "
+                                          "(tensor_peak_bytes in --json); costs time on every action, so it is off "
+                                          "by default (benchmarks/run.py turns it on)", kind="true")
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:

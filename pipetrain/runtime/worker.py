@@ -305,7 +305,8 @@ def _train(run: ResolvedRun, setup: _Setup, rank: int,
                                       skip=cfg.training.skip_nonfinite, synchronous=cfg.synchronous,
                                       schedule=cfg.parallel.schedule, timeout=cfg.performance.timeout)
     setup.skipped = executor.numerics.skipped  # type: ignore[attr-defined]  # [numerics] --skip-nonfinite
-    setup.tensor_memory = attach_tensor_memory(executor)  # type: ignore[attr-defined]  # [tensor memory] H-mem
+    if cfg.performance.measure_memory:  # --measure-memory: the tensor ledger (runtime/tensor_memory.py)
+        setup.tensor_memory = attach_tensor_memory(executor)  # type: ignore[attr-defined]
     if monitor.wants_steps:  # the driving rank: progress bar / lines and --log-dir (runtime/monitor.py)
         executor.on_step = monitor.on_step
     eval_loss = None if getattr(setup.bundle, "default_loss", False) else setup.bundle.loss_fn
