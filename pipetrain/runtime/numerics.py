@@ -337,10 +337,10 @@ class NumericsGuard:
             self._bad_units.discard(key)
             return
         st = executor.stages[a.stage]
-        # Per unit only the gradients the backward returned for this unit are checked (input
-        # gradients and unfused weight gradients); the accumulated weight gradients (fused
-        # Linear sinks) are checked once per step at STEP, not after every unit.
-        if _all_finite(g for g in grads if g is not None):
+        # fused Linear layers wrote their weight gradients into the sink during the backward
+        # (checked here, per unit, so that the node search below still has the unit's input)
+        fused = [st.sink.buffers[n] for n in getattr(st, "fused", ()) if n in st.sink.buffers]
+        if _all_finite(g for g in grads if g is not None) and _all_finite(fused):
             return
         if grad_outputs is not None and not _all_finite(grad_outputs):
             return  # the gradient arrived non-finite: a downstream stage found it first
