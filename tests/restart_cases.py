@@ -66,9 +66,12 @@ def _cmdline(pid: int) -> str:
 
 
 def workers_left() -> list[str]:
-    """Command lines of this process's live descendants, except multiprocessing's resource
-    tracker (one per parent process, started by the first ``spawn``; it exits with us)."""
-    return [c for c in (_cmdline(p) for p in children()) if c and "resource_tracker" not in c]
+    """Command lines of this process's live descendants, except multiprocessing's own helpers:
+    the resource tracker (one per parent process, started by the first ``spawn``) and the
+    forkserver (started by tests that use the ``forkserver`` context, e.g.
+    test_checkpoint_dist.py): both belong to the test process, not to a run, and exit with it."""
+    own = ("resource_tracker", "multiprocessing.forkserver")
+    return [c for c in (_cmdline(p) for p in children()) if c and not any(o in c for o in own)]
 
 
 def wait_no_children(deadline_s: float = 30.0) -> list[str]:
