@@ -61,3 +61,22 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path: Path
     last = latest_checkpoint(ck)
     assert last is not None and read_manifest(last).step == step  # the checkpoint right before the bad minibatch
     assert str(last) in str(e.value)
+
+
+def test_the_step_check_reads_the_mean_gradient_unless_every_unit_passed() -> None:
+    """check_step skips its weight-sized read only when each unit of the group passed the
+    per-unit check (and the stage is neither replicated nor tied): a unit that ran without
+    that check (zero-bubble's W pass) leaves the count short, and the mean gradient is read."""
+    guard = NumericsGuard(rank=0)
+    executor, st, a = _fake(False, {})
+    executor.tied = None
+    st.acc_count, st.replicas = 2, 1
+    nan = {"net.2.bias": torch.tensor([float("nan")])}
+    guard._passed[0] = 2
+    guard.check_step(executor, st, a, nan)  # both units passed: not read again
+    guard._passed[0] = 1
+    with pytest.raises(NonFiniteError, match=r"parameter 'net.2.bias'"):
+        guard.check_step(executor, st, a, nan)
+    guard._passed[0], st.replicas = 2, 2
+    with pytest.raises(NonFiniteError, match=r"parameter 'net.2.bias'"):
+        guard.check_step(executor, st, a, nan)

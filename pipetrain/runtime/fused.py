@@ -39,6 +39,11 @@ class GradSink:
         self.buffers: dict[str, Tensor] = {}
         self.touched: set[str] = set()
         self.phase = "full"  # "full" (B) | "input" (I) | "weight" (W): see the module docstring
+        #: [numerics] a scalar every weight-gradient pass adds the sum of its output gradient
+        #: to (None: off). ``g^T x`` is finite when ``g`` and ``x`` are (``x`` is checked by the
+        #: forward's checks), so a finite probe stands for every accumulator this unit wrote,
+        #: without reading them (runtime/numerics.py).
+        self.probe: Tensor | None = None
 
     def add(self, name: str, value: Tensor) -> None:
         acc = self.buffers[name]
@@ -84,8 +89,11 @@ class _LinearAccumulate(torch.autograd.Function):
         g2 = g.reshape(-1, g.shape[-1])
         if ctx.needs_input_grad[1]:
             sink.add_mm(ctx.wname, g2.t(), x.reshape(-1, x.shape[-1]))
-        if ctx.bname is not None and ctx.needs_input_grad[2]:
-            sink.add(ctx.bname, g2.sum(0))
+        gb = g2.sum(0) if ctx.bname is not None and ctx.needs_input_grad[2] else None
+        if gb is not None:
+            sink.add(ctx.bname, gb)
+        if sink.probe is not None:
+            sink.probe.add_(gb.sum() if gb is not None else g2.sum())
         return gx, None, None, None, None, None
 
 

@@ -275,6 +275,7 @@ class NumericsGuard:
         self._bad_units: set[tuple[int, int]] = set()  # (stage, unit) whose forward was already non-finite
         self._inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._checked: set[int] = set()
+        self._passed: dict[int, int] = {}  # stage -> units of its open group whose gradients passed (2.)
         self._losses_id = 0
         self._local_bad = False
         self._group: Any = None
@@ -312,6 +313,9 @@ class NumericsGuard:
         """After the forward of unit ``a.mb`` at stage ``a.stage`` (module docstring, 1)."""
         key = (a.stage, a.mb)
         self._inputs[key] = tuple(inputs)
+        sink = getattr(executor.stages[a.stage], "sink", None)
+        if sink is not None and sink.probe is None and getattr(executor.stages[a.stage], "fused", None):
+            sink.probe = torch.zeros((), device=executor.comm.device)
         if _all_finite(outputs):
             return
         self._bad_units.add(key)
@@ -337,10 +341,17 @@ class NumericsGuard:
             self._bad_units.discard(key)
             return
         st = executor.stages[a.stage]
-        # fused Linear layers wrote their weight gradients into the sink during the backward
-        # (checked here, per unit, so that the node search below still has the unit's input)
-        fused = [st.sink.buffers[n] for n in getattr(st, "fused", ()) if n in st.sink.buffers]
-        if _all_finite(g for g in grads if g is not None) and _all_finite(fused):
+        # fused Linear layers wrote their weight gradients into the sink during the backward;
+        # their probe (fused.GradSink.probe) says whether any output gradient they saw was
+        # non-finite, checked here per unit so that the node search below still has the
+        # unit's input, without reading the weight-sized accumulators once per unit
+        probe = getattr(getattr(st, "sink", None), "probe", None)
+        fused_ok = probe is None or _finite(probe) or _all_finite(  # a finite sum that overflowed: read them
+            st.sink.buffers[n] for n in st.fused if n in st.sink.buffers)
+        if probe is not None:
+            probe.zero_()
+        if _all_finite(g for g in grads if g is not None) and fused_ok:
+            self._passed[a.stage] = self._passed.get(a.stage, 0) + 1
             return
         if grad_outputs is not None and not _all_finite(grad_outputs):
             return  # the gradient arrived non-finite: a downstream stage found it first
@@ -386,12 +397,25 @@ class NumericsGuard:
                 if not math.isfinite(value):
                     self._found(Finding("loss", data.step_of(unit), st.index, self.rank,
                                         f"the loss of unit {unit} is {value}"))
+        # Every unit of the group passed the per-unit check (2.), which covered each weight
+        # gradient it added: their mean is finite (up to an overflow of the sum, which the
+        # check after the update still catches), so the weight-sized read is skipped. Units
+        # whose weight pass ran without that check (zero-bubble's W) leave the count short;
+        # replicated stages (other ranks' gradients) and tied weights are read in full.
+        passed = self._passed.pop(st.index, 0)
+        if passed >= getattr(st, "acc_count", 0) > 0 and getattr(st, "replicas", 1) == 1 and self.tied_free(executor):
+            return
         bad = first_nonfinite(grads)
         if bad is not None:
             name, value = bad
             module = name.rpartition(".")[0] or name
             self._found(Finding("gradient", data.step_offset + int(action.mb), st.index, self.rank,
                                 f"parameter {name!r} (node {module!r}) has gradient value {value}"))
+
+    @staticmethod
+    def tied_free(executor: Any) -> bool:
+        """No tied weights: a stage's mean gradient is its own units' (tied.py adds others')."""
+        return getattr(executor, "tied", None) is None
 
     # -- 4. after the update ---------------------------------------------------------------
     def after_update(self, executor: Any, st: Any, action: Any) -> None:
