@@ -20,7 +20,7 @@ import sys
 from typing import Any
 
 from ..errors import PipetrainError
-from ..runtime.config import SECTIONS, Flag, TrainConfig, settings
+from ..runtime.config import AUTO, SECTIONS, Flag, TrainConfig, settings
 from ..runtime.log import setup_logging
 
 
@@ -83,7 +83,20 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise RuntimeConfigError(
             f"give --steps or --epochs, not both (got --steps {values['steps']} and --epochs {values['epochs']}): "
             f"--epochs sets the steps to epochs * (train samples // batch size)")
+    if _schedule_open(values):
+        values["schedule"] = AUTO
     return TrainConfig.of(**values)
+
+
+def _schedule_open(values: dict[str, Any]) -> bool:
+    """``pipetrain train`` leaves the schedule to the planner (``--schedule auto``) when the
+    user names no schedule, stages or schedule option and runs 2 or more local workers
+    (under an outer torchrun the hosts' costs are unknown: the default schedule stays)."""
+    from ..run.launcher import under_torchrun
+
+    fixed = ("schedule", "plan", "config", "cut", "vertical_sync", "stashing", "virtual_stages")
+    return (not any(k in values for k in fixed) and int(values.get("workers") or 1) > 1
+            and not under_torchrun())
 
 
 def register(subparsers: Any) -> None:

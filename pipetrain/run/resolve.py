@@ -26,17 +26,21 @@ The result is checked (:meth:`ResolvedRun.check`) and handed, unchanged, to ever
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
-from ..errors import DataError, RuntimeConfigError
+from ..errors import DataError, PipetrainError, RuntimeConfigError
+from ..plan.auto import summary_lines
 from ..plan.cuts import split_at_cuts, split_by_config
 from ..plan.types import Plan
 from ..runtime.config import TrainConfig, parse_config, parse_cut
 from ..runtime.data import DataSpec
 from ..runtime.model import load_bundle
 from ..runtime.resolved import ResolvedRun, Segment
+
+log = logging.getLogger(__name__)
 
 __all__ = ["resolve_run", "resolve_with_bundle", "resolve_batch_size", "implied_workers", "ONE_PROCESS_NOTE",
            "resolve_data", "segment_plan"]
@@ -206,11 +210,68 @@ def _check_layers(cfg: TrainConfig, workers: int, layers: int) -> None:
             f"{layers} layers; use at most {max(1, layers // v)} ranks")
 
 
+def _one_host() -> bool:
+    """Under torchrun: every rank runs on this host (loopback costs are the run's costs)."""
+    import os
+
+    return os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
+
+
+def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tuple[TrainConfig, Any]:
+    """``--schedule auto``: the fastest predicted configuration (pipetrain.plan.auto) whose
+    replicas suit the run's step counts; the configuration with its schedule and microbatches."""
+    from dataclasses import replace
+
+    from ..graph.capture import capture
+    from ..plan.auto import choose
+
+    par = cfg.parallel
+    if par.calibration is None and world is not None and not _one_host():
+        raise RuntimeConfigError(
+            "--schedule auto across hosts needs the links' measured costs: run `pipetrain calibrate --output FILE` "
+            "on these hosts and pass --calibration FILE, or name a schedule")
+
+    def model_at(samples: int) -> tuple[Any, tuple[Any, ...]]:
+        bundle = _load(cfg, samples)
+        inputs = bundle.make_batch(samples, torch.Generator().manual_seed(cfg.training.seed))[0]
+        return capture(bundle.model, bundle.example_inputs), tuple(inputs)
+
+    def accept(c: Any, captured: Any) -> str | None:
+        from ..runtime.stage import partition_graph
+        from ..runtime.tied import check_ties
+
+        chosen = replace(cfg, parallel=replace(par, schedule=c.schedule, microbatches=c.microbatches, auto=False))
+        spec = chosen.spec
+        if cfg.training.skip_nonfinite and not spec.synchronous:
+            return "--skip-nonfinite needs a synchronous schedule"
+        try:
+            _check_steps_period(chosen, list(c.plan.replicas), f"the plan ({c.plan.config})")
+            part = partition_graph(captured.gm, [list(s.nodes) for s in c.plan.stages])
+            sched = spec.build(c.plan.replicas, c.microbatches, int(spec.steps_period(c.plan.replicas)))
+            check_ties(part.tied, sched.stage_ranks, spec.synchronous, spec.name)
+        except PipetrainError as e:
+            return str(e)
+        return None
+
+    choice = choose(model_at, batch_size=batch, workers=workers, optimizer=cfg.optimizer.name,
+                    momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
+                    calibration=par.calibration, microbatches=par.microbatches, accept=accept)
+    best = choice.best
+    log.info("%s", "\n".join(summary_lines(choice)))
+    return replace(cfg, parallel=replace(par, schedule=best.schedule, microbatches=best.microbatches,
+                                         auto=False)), choice
+
+
 def _choose_plan(cfg: TrainConfig, captured: Any, bundle: Any, batch: int, workers: int, m: int,
-                 replicas: list[int] | None) -> tuple[Plan, str]:
-    """The plan and where it came from (module docstring, step 4)."""
+                 replicas: list[int] | None, auto: Any = None) -> tuple[Plan, str]:
+    """The plan and where it came from (module docstring, step 4); ``auto``: the automatic
+    choice (pipetrain.plan.auto.AutoChoice) already made."""
     par, spec = cfg.parallel, cfg.spec
     name = str(getattr(bundle, "name", cfg.model.name))
+    if auto is not None:
+        plan = auto.best.plan
+        plan.extra["auto"] = auto.to_json()
+        return plan, auto.note()
     if par.plan is not None:
         return Plan.load(par.plan), f"plan file {par.plan}"
     if par.cut is not None:
@@ -367,6 +428,16 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     workers = world if world is not None else (par.workers or implied_workers(cfg) or 1)
     _check_workers(cfg, workers)
     batch = resolve_batch_size(cfg)
+    auto = None
+    if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
+        from ..graph.capture import capture
+
+        first = _load(cfg, batch)
+        whole = capture(first.model, first.example_inputs)
+        _check_layers(cfg, workers, sum(1 for n in whole.graph.nodes if not n.is_input))  # before measuring
+        cfg, auto = _auto(cfg, workers, batch, world)
+        par, spec = cfg.parallel, cfg.spec
+        options = par.schedule_options
     if workers == 1:
         m = par.microbatches or 1
         _check_divides(batch, m)
@@ -387,7 +458,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     _check_fits(bundle, source)
     captured = capture(bundle.model, bundle.example_inputs)
     _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
-    plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas)
+    plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)
     if replicas is None:  # the planner chose the replicas: the default microbatches follow them
         _check_steps_period(cfg, plan.replicas, f"the plan ({plan.config})")
         m2 = _microbatches(cfg, plan.replicas)

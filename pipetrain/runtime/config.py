@@ -55,6 +55,8 @@ OPTIMIZERS = ("sgd", "adam", "adamw")
 #: The schedule a run uses unless told: the registry's first, PipeDream's 1F1B with weight
 #: stashing (tests/test_runtime_config.py checks it).
 DEFAULT_SCHEDULE: str = SCHEDULE_NAMES[0]
+#: ``--schedule auto``: the planner chooses (pipetrain.plan.auto)
+AUTO = "auto"
 LR_SCHEDULES = ("constant", "step", "cosine")
 DEVICES = ("cpu", "cuda")
 
@@ -303,7 +305,13 @@ class ParallelSection:
     cut: str | None = setting(None, "where stages 1, 2, ... begin: a node name or a module name of the captured "
                                     "model (e.g. blocks.4, or 16 for child 16 of an nn.Sequential); with --config "
                                     "for replicas, else one worker per stage", metavar="NAME[,NAME...]")
-    schedule: str = setting(DEFAULT_SCHEDULE, f"the pipeline schedule, one of {', '.join(sorted(SCHEDULE_NAMES))}")
+    schedule: str = setting(DEFAULT_SCHEDULE, f"the pipeline schedule, one of {', '.join(sorted(SCHEDULE_NAMES))}, "
+                                              f"or {AUTO}: the planner chooses the schedule, microbatches and stages "
+                                              f"(the default of `pipetrain train` on local workers without "
+                                              f"--plan/--config/--cut)")
+    #: ``--schedule auto`` (set by it; ``schedule`` then holds the default until the run is
+    #: resolved, when pipetrain.plan.auto's choice replaces both)
+    auto: bool = setting(False, "the planner chooses the schedule and microbatches (--schedule auto)", flag=None)
     microbatches: int | None = setting(None, "units per minibatch (default: the schedule's: 1 for pipedream, else "
                                              "the pipeline depth, at least the largest replica count)", type=int)
     vertical_sync: bool = setting(False, "pipedream: vertical sync of weight versions", kind="true",
@@ -317,6 +325,9 @@ class ParallelSection:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", str(self.schedule).lower())
+        if self.schedule == AUTO:
+            object.__setattr__(self, "schedule", DEFAULT_SCHEDULE)
+            object.__setattr__(self, "auto", True)
         if self.schedule not in SCHEDULE_NAMES:
             raise RuntimeConfigError(
                 f"unknown schedule {self.schedule!r}; valid schedules: {', '.join(sorted(SCHEDULE_NAMES))}")
@@ -333,6 +344,9 @@ class ParallelSection:
             parse_cut(self.cut)
             if self.plan is not None:
                 raise RuntimeConfigError("--cut fixes the stages itself: give --cut or --plan, not both")
+        if self.auto:
+            self._check_auto()
+            return
         spec = self.spec
         for f, fl in settings(type(self)):  # an option the schedule does not take
             if fl.schedule_option and getattr(self, f.name) != f.default and f.name not in spec.options:
@@ -357,6 +371,20 @@ class ParallelSection:
                     raise RuntimeConfigError(
                         f"--cut {self.cut} makes {len(cuts) + 1} stages but --config {self.config} has {stages}; "
                         f"give one cut name fewer than the stages")
+
+    def _check_auto(self) -> None:
+        """``--schedule auto`` chooses the stages and tries every schedule at its defaults."""
+        fixed = [flag for flag, v in (("--plan", self.plan), ("--config", self.config), ("--cut", self.cut))
+                 if v is not None]
+        if fixed:
+            raise RuntimeConfigError(
+                f"--schedule auto chooses the stages itself, but {' and '.join(fixed)} fixes them; drop "
+                f"{' and '.join(fixed)} or name a schedule (one of {', '.join(sorted(SCHEDULE_NAMES))})")
+        for f, fl in settings(type(self)):
+            if fl.schedule_option and getattr(self, f.name) != f.default:
+                raise RuntimeConfigError(
+                    f"--schedule auto tries each schedule with its default options, but {fl.flag} was given; "
+                    f"drop {fl.flag} or name the schedule it applies to")
 
     @property
     def spec(self) -> Any:

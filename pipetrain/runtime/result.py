@@ -111,6 +111,9 @@ class RunResult:
     skipped_steps: int = 0                    # steps dropped by --skip-nonfinite
     alive_versions: dict[str, int] | None = None
     run: dict[str, Any] = field(default_factory=dict)       # ResolvedRun.to_json()
+    # -- --schedule auto (pipetrain.plan.auto): the choice, every candidate, the predicted time
+    auto: dict[str, Any] | None = None
+    predicted_time_per_minibatch: float | None = None       # seconds, steady state (auto's prediction)
     state: dict[str, torch.Tensor] | None = field(default=None, repr=False)
     # -- real data: evaluation through the pipeline and time to a target (runtime/monitor.py) --
     data: str | None = None                       # --data (None: synthetic batches)

@@ -435,6 +435,9 @@ def _result(run: ResolvedRun, setup: _Setup, gathered: list[RankReport], device:
         stage_first_nodes=setup.stage_first_nodes, stage_first_modules=setup.stage_first_modules,
         run=run.to_json())
     result.add_traffic(_traffic_summary(run, setup, gathered))
+    auto = plan.extra.get("auto") if plan.extra else None  # --schedule auto: what was chosen and predicted
+    if auto:
+        result.auto, result.predicted_time_per_minibatch = auto, auto.get("predicted_time_per_minibatch")
     result.skipped_steps = len(getattr(setup, "skipped", []))  # [numerics] every rank agrees
     result.add_tensor_memory([g.tensor_memory for g in gathered])  # [tensor memory] H-mem
     if setup.monitor is not None:  # evaluations and the target (every rank saw them)

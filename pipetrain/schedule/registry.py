@@ -107,6 +107,9 @@ class ScheduleSpec:
             more than 1F1B).
         microbatch_rule: the schedule's own rule on ``(replicas per rank stage, microbatches)``
             beyond the common ones (2bw: multiples and depth; interleaved: groups of ``P``).
+        auto: a candidate of the planner's automatic choice (``train --schedule auto``,
+            :mod:`pipetrain.plan.auto`); gpipe (flush's time, more memory) and interleaved
+            (no memory rule) are not.
     """
 
     name: str
@@ -124,6 +127,7 @@ class ScheduleSpec:
     chunks_option: str | None = None
     memory_rule: str | None = None
     microbatch_rule: Callable[[Sequence[int], int], None] | None = field(default=None, repr=False, compare=False)
+    auto: bool = False
 
     # -- options ----------------------------------------------------------------------
     def check_options(self, options: Mapping[str, Any]) -> dict[str, Any]:
@@ -271,18 +275,19 @@ _SPECS: tuple[ScheduleSpec, ...] = (
                      "(vertical_sync: the version stage 0 used, mapped to each stage; stashing=False: B uses "
                      "the stage's newest version when it runs, recomputing the forward under it)",
         summary="PipeDream: asynchronous 1F1B on whole minibatches with weight stashing",
-        builder=_pipedream, memory_rule="stash"),
+        builder=_pipedream, memory_rule="stash", auto=True),
     ScheduleSpec(
         "2bw", synchronous=False, unit="microbatch", flushes=False,
         options=(), option_defaults=MappingProxyType({}),
         version_rule="every F and B of minibatch t use version max(t-1, 0): two weight versions per stage",
         summary="PipeDream-2BW: 1F1B on microbatches without flushes, double-buffered weights",
-        builder=build_twobw, memory_rule="two_versions", microbatch_rule=check_twobw_microbatches),
+        builder=build_twobw, memory_rule="two_versions", microbatch_rule=check_twobw_microbatches,
+        auto=True),
     ScheduleSpec(
         "flush", synchronous=True, unit="microbatch", flushes=True,
         options=(), option_defaults=MappingProxyType({}), version_rule=_SYNC_RULE,
         summary="PipeDream-Flush: 1F1B within each minibatch, then a flush",
-        builder=build_flush, memory_rule=_ONE_F_ONE_B),
+        builder=build_flush, memory_rule=_ONE_F_ONE_B, auto=True),
     ScheduleSpec(
         "gpipe", synchronous=True, unit="microbatch", flushes=True,
         options=(), option_defaults=MappingProxyType({}), version_rule=_SYNC_RULE,
@@ -292,7 +297,7 @@ _SPECS: tuple[ScheduleSpec, ...] = (
         "dp", synchronous=True, unit="microbatch", flushes=True,
         options=(), option_defaults=MappingProxyType({}), version_rule=_SYNC_RULE,
         summary="data parallelism: one stage on N replicas, all-reduce before every step",
-        builder=build_dp, one_stage=True),
+        builder=build_dp, one_stage=True, auto=True),
     ScheduleSpec(
         "interleaved", synchronous=True, unit="microbatch", flushes=True,
         options=("virtual_stages",), option_defaults=MappingProxyType({"virtual_stages": 2}),
@@ -304,7 +309,7 @@ _SPECS: tuple[ScheduleSpec, ...] = (
         "zerobubble", synchronous=True, unit="microbatch", flushes=True,
         options=(), option_defaults=MappingProxyType({}), version_rule=_SYNC_RULE,
         summary="ZB-H1 zero bubble: 1F1B with the backward split into I and deferred W, then a flush",
-        builder=build_zerobubble, splits_backward=True),
+        builder=build_zerobubble, splits_backward=True, auto=True),
 )
 
 #: name -> spec, in the order of :data:`SCHEDULE_NAMES`.

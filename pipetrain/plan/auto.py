@@ -1,0 +1,296 @@
+"""``train --schedule auto``: the planner chooses the schedule, the microbatches and the stages.
+
+PipeDream's planner (paper section 3.1) picks stages and replicas for one schedule. A user who
+leaves the schedule open wants the fastest *configuration* on the machine at hand, which may
+be data parallelism (communication is cheap), a straight pipeline, or a replicated one, under
+an asynchronous schedule (pipedream, 2bw) or a flushed one (flush, zerobubble) at some
+number of microbatches. :func:`choose` predicts each candidate's time per minibatch on
+measured costs and returns the fastest:
+
+1. **Costs.** Communication: a calibration (``--calibration FILE``, or measured now on
+   loopback with the run's number of ranks: point-to-point and gloo all-reduce fits,
+   :mod:`pipetrain.cluster.calibrate`). Compute: the model profiled here, one profile per
+   unit size (per-node times do not scale linearly with the unit size on a CPU), each
+   scaled to the minibatch (times and activations ``x units``, so the simulator's division
+   by the unit count gives the unit's measured times back). Optimizer steps: each stage's
+   ``torch.optim`` step over its parameters, timed here.
+2. **Candidates.** Every schedule whose spec says ``auto`` (:class:`ScheduleSpec`): the unit
+   ``minibatch`` schedule (pipedream) at 1; one-stage data parallelism (dp) at its default
+   microbatches; the microbatched pipelines at their default ``d`` for a straight pipeline
+   of all ranks, ``2d`` and ``4d`` (those dividing the batch), or only at ``--microbatches``
+   when given.
+3. **Plan and correct.** Each pipeline candidate is planned by the dynamic program with the
+   calibrated costs and that schedule's memory rule; its stages are then timed as a whole
+   (:mod:`pipetrain.plan.stage_timing`), the unit profile corrected and the plan made again
+   once (a stage's time as a whole differs from the sum of its nodes').
+4. **Predict.** The schedule simulated on the plan (:func:`pipetrain.plan.calibrated.predict_run`:
+   the same simulator and steady-state definition as ``pipetrain simulate`` and the runtime).
+   The fastest prediction wins; among equal ones (replicated one-stage plans often tie) data
+   parallelism, then a synchronous schedule, then an asynchronous one.
+
+What the prediction leaves out: the runtime's per-action overhead beyond the profiled
+operators, cache effects between processes sharing cores, and gloo's CPU time competing with
+compute on the same cores; ``docs/planner.md`` reports the measured errors.
+
+The choice is made once, in the launcher (or by rank 0 under an outer torchrun), and handed
+to every worker inside the resolved run, like any plan.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any
+
+from .types import Plan
+
+if TYPE_CHECKING:
+    from ..graph.capture import CapturedModel
+    from ..profile.types import Profile
+
+__all__ = ["Candidate", "AutoChoice", "choose", "microbatch_candidates", "scale_profile"]
+
+#: A function giving the captured model and one unit of inputs at ``samples`` samples.
+ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration considered: its schedule, microbatches, plan and predicted time."""
+
+    schedule: str
+    microbatches: int
+    plan: Plan | None
+    predicted_time: float | None          # seconds per minibatch (steady state); None: not runnable
+    why_not: str | None = None            # why it could not be planned or run, when so
+
+    @property
+    def config(self) -> str:
+        return self.plan.config if self.plan is not None else "-"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "microbatches": self.microbatches, "config": self.config,
+                "predicted_time_per_minibatch": self.predicted_time, "why_not": self.why_not}
+
+    def line(self) -> str:
+        if self.predicted_time is None:
+            return f"{self.schedule} m={self.microbatches}: not runnable ({self.why_not})"
+        return f"{self.schedule} m={self.microbatches} {self.config}: {self.predicted_time * 1e3:.2f} ms"
+
+
+@dataclass
+class AutoChoice:
+    """The fastest candidate, every candidate, and the costs used."""
+
+    best: Candidate
+    candidates: list[Candidate]
+    costs: str                            # one line: where the communication costs came from
+    seconds: float = 0.0                  # time spent choosing
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def note(self) -> str:
+        """The run's plan source line."""
+        b = self.best
+        if b.predicted_time is None:
+            return "auto"
+        return (f"auto: {b.schedule} m={b.microbatches} on {b.config}, predicted {b.predicted_time * 1e3:.2f} ms "
+                f"per minibatch (fastest of {len(self.runnable)} configurations on {self.costs} and a profile "
+                f"here; chosen in {self.seconds:.1f} s)")
+
+    @property
+    def runnable(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.predicted_time is not None]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.best.schedule, "microbatches": self.best.microbatches, "config": self.best.config,
+                "predicted_time_per_minibatch": self.best.predicted_time, "costs": self.costs,
+                "seconds": self.seconds, "candidates": [c.to_json() for c in self.candidates]}
+
+
+def scale_profile(unit: Profile, units: int, batch_size: int) -> Profile:
+    """A minibatch profile of ``units`` units made from a unit profile: node times and
+    activations ``x units`` (the simulator divides by the unit count), parameters unchanged."""
+    from ..profile.types import Profile
+
+    if units == 1:
+        return unit
+    nodes = [replace(n, forward_time=n.forward_time * units, backward_time=n.backward_time * units,
+                     activation_bytes=n.activation_bytes * units) for n in unit.nodes]
+    return Profile(unit.model, batch_size, nodes, unit.device, unit.optimizer,
+                   unit.optimizer_state_bytes_per_parameter_byte)
+
+
+def microbatch_candidates(spec: Any, workers: int, batch: int, given: int | None) -> list[int]:
+    """Microbatch counts tried for ``spec`` (module docstring, 2)."""
+    if spec.unit == "minibatch":
+        return [1] if given in (None, 1) else []
+    if given is not None:
+        return [given] if given <= batch and batch % given == 0 else []
+    reps = [workers] if spec.one_stage else [1] * workers
+    ranks = spec.rank_replicas(reps, {})
+    d = int(spec.default_microbatches(len(ranks), ranks))
+    tries = [d] if spec.one_stage else [d, 2 * d, 4 * d]
+    return [m for m in tries if m <= batch and batch % m == 0]
+
+
+class _StepTimer:
+    """Seconds of one ``torch.optim`` step over the parameters of a stage's nodes (median of 5)."""
+
+    def __init__(self, optimizer: str, momentum: float) -> None:
+        self.optimizer, self.momentum = optimizer, momentum
+        self._cache: dict[tuple[str, ...], float] = {}
+
+    def __call__(self, gm: Any, nodes: Sequence[str]) -> float:
+        import torch
+
+        key = tuple(nodes)
+        if key in self._cache:
+            return self._cache[key]
+        names = set(nodes)
+        shapes = [p.shape for n in gm.graph.nodes if n.name in names and n.op == "call_module"
+                  for p in gm.get_submodule(str(n.target)).parameters(recurse=False)]
+        shapes += [gm.get_parameter(str(n.target)).shape for n in gm.graph.nodes
+                   if n.name in names and n.op == "get_attr" and _is_parameter(gm, str(n.target))]
+        if not shapes:
+            self._cache[key] = 0.0
+            return 0.0
+        ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape)
+        if self.optimizer == "sgd":
+            opt: Any = torch.optim.SGD(ps, lr=1e-3, momentum=self.momentum, foreach=True)
+        elif self.optimizer == "adamw":
+            opt = torch.optim.AdamW(ps, lr=1e-3, foreach=True)
+        else:
+            opt = torch.optim.Adam(ps, lr=1e-3, foreach=True)
+        opt.step()
+        runs = []
+        for _ in range(5):
+            t = time.perf_counter()
+            opt.step()
+            runs.append(time.perf_counter() - t)
+        self._cache[key] = statistics.median(runs)
+        return self._cache[key]
+
+
+def _is_parameter(gm: Any, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _same(a: Plan, b: Plan) -> bool:
+    return [list(s.nodes) for s in a.stages] == [list(s.nodes) for s in b.stages] and a.replicas == b.replicas
+
+
+def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str = "sgd", momentum: float = 0.0,
+           threads: int | None = None, model_name: str = "", calibration: Any = None,
+           microbatches: int | None = None, repeats: int = 3,
+           schedules: Sequence[str] | None = None,
+           accept: Callable[[Candidate, Any], str | None] | None = None) -> AutoChoice:
+    """The fastest configuration of the model on ``workers`` ranks (module docstring).
+
+    Args:
+        model_at: ``samples -> (captured model, one unit of inputs)`` at that unit size.
+        calibration: a Calibration, a file, ``"measure"``, or None (measured now on loopback
+            with ``workers`` ranks).
+        microbatches: the user's ``--microbatches``, if given (only that count is tried).
+        schedules: candidate schedule names (default: every spec with ``auto``).
+        accept: ``(candidate, captured model) -> None``, or why the run cannot use it (the
+            caller's rules: step counts, tied weights, synchronous-only options).
+
+    Raises:
+        PlanError: when no candidate can run (one line naming why for each).
+    """
+    from ..errors import PlanError
+    from ..profile.profiler import profile_captured
+    from ..schedule import SCHEDULES, get_schedule
+    from .api import PlanOptions
+    from .calibrated import plan_with_calibration, predict_run, resolve_calibration
+    from .cuts import split_by_config
+    from .memory import SCHEDULES as MEMORY_RULES
+    from .stage_timing import refine_profile, stage_seconds
+
+    t0 = time.monotonic()
+    if workers < 2:
+        raise PlanError(f"the automatic choice compares parallel configurations; it needs 2 or more workers, "
+                        f"got {workers}")
+    cal = resolve_calibration(calibration)
+    if cal is None:
+        from ..cluster.calibrate import calibrate
+
+        cal = calibrate(None, ranks=workers)
+    costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
+    names = list(schedules) if schedules is not None else [n for n, s in SCHEDULES.items() if s.auto]
+    steps_of = _StepTimer(optimizer, momentum)
+    units_cache: dict[int, tuple[Any, tuple[Any, ...], Profile]] = {}
+
+    def at(samples: int) -> tuple[Any, tuple[Any, ...], Profile]:
+        if samples not in units_cache:
+            captured, inputs = model_at(samples)
+            prof = profile_captured(captured, inputs, batch_size=samples, warmup=1, repeats=repeats,
+                                    optimizer=optimizer, momentum=momentum, model_name=model_name, threads=threads)
+            units_cache[samples] = (captured, tuple(inputs), prof)
+        return units_cache[samples]
+
+    out: list[Candidate] = []
+    for name in names:
+        spec = get_schedule(name)
+        for m in microbatch_candidates(spec, workers, batch_size, microbatches):
+            units = 1 if spec.unit == "minibatch" else m
+            try:
+                captured, inputs, unit_prof = at(batch_size // units)
+                if spec.one_stage:
+                    plan = split_by_config(captured, [workers], model_name, batch_size)
+                else:
+                    rule = name if name in MEMORY_RULES else next(
+                        n for n in MEMORY_RULES if SCHEDULES[n].memory_rule == "one_f_one_b")
+                    opts = PlanOptions(schedule=rule, microbatches=m, use_all_workers=True)
+
+                    def plan_fn(p: Profile, opts: PlanOptions = opts, units: int = units) -> Plan:
+                        return plan_with_calibration(scale_profile(p, units, batch_size), workers, cal, opts)
+
+                    plan = plan_fn(unit_prof)
+                    lists = [list(s.nodes) for s in plan.stages]
+                    if len(lists) > 1:  # stages timed as a whole correct the node sums; plan again once
+                        unit_prof = refine_profile(unit_prof, lists, stage_seconds(captured.gm, inputs, lists, 2))
+                        again = plan_fn(unit_prof)
+                        plan = plan if _same(plan, again) else again
+                if int(spec.ranks_needed(plan.replicas, {})) != workers:
+                    out.append(Candidate(name, m, plan, None, f"the plan {plan.config} does not use {workers} ranks"))
+                    continue
+                spec.build(plan.replicas, m, int(spec.steps_period(plan.replicas)))  # runnable: m fits its rules
+                why = accept(Candidate(name, m, plan, None), captured) if accept is not None else None
+                if why is not None:
+                    out.append(Candidate(name, m, plan, None, why))
+                    continue
+                step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
+                pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
+                                   step_time=step_time)
+                out.append(Candidate(name, m, plan, float(pred["time_per_minibatch"])))
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot be planned or built is skipped, said why
+                out.append(Candidate(name, m, None, None, f"{type(e).__name__}: {e}"))
+    runnable = [c for c in out if c.predicted_time is not None]
+    if not runnable:
+        raise PlanError("no configuration could be planned for --schedule auto: "
+                        + "; ".join(c.line() for c in out) + "; pass --schedule and --config instead")
+    best = min(runnable, key=_rank)
+    return AutoChoice(best, out, costs, time.monotonic() - t0)
+
+
+def _rank(c: Candidate) -> tuple[float, int]:
+    """Fastest first; among equal predictions the simplest semantics: data parallelism, then
+    a synchronous schedule (one process's result), then an asynchronous one."""
+    from ..schedule import get_schedule
+
+    spec = get_schedule(c.schedule)
+    return (c.predicted_time or 0.0, 0 if spec.one_stage else 1 if spec.synchronous else 2)
+
+
+def summary_lines(choice: AutoChoice) -> list[str]:
+    """Lines for the log: the choice, then every candidate."""
+    return [choice.note()] + [f"  {c.line()}" for c in choice.candidates]
+
