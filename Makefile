@@ -1,6 +1,6 @@
 # make demo : train a built-in model on built-in real data through a PipeDream pipeline of CPU workers
 # make test : run the test suite (installs what it needs)
-# make lint : ruff and mypy on pipetrain/
+# make lint : ruff on the repository, mypy on pipetrain/
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -27,7 +27,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q tests
 
 lint: $(STAMP)
-	$(BIN)/ruff check pipetrain
+	$(BIN)/ruff check .
 	$(BIN)/mypy
 
 bench: $(STAMP)

@@ -14,8 +14,9 @@ trains, cut in the same place (pipetrain gets the cut as ``--cut`` module names)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 #: pipetrain model name of each benchmark model, and its batch size.
 MODEL_NAMES = {"mlp": "mlp", "lm": "gpt"}
@@ -100,6 +101,7 @@ def as_sequential(model: Any) -> tuple[Any, list[list[str]]]:
 def build_bench_model(name: str, seed: int = 0) -> BenchModel:
     """The benchmark model ``name`` (``pipetrain.models.get_model``) with weights drawn from ``seed``."""
     import torch
+
     from pipetrain.models import get_model
 
     if name not in MODEL_NAMES:
@@ -151,6 +153,7 @@ def child_times(bm: BenchModel, seed: int = 0) -> list[float]:
     ``transpose``...) to the child of the module node before it. The loss is not included.
     """
     import torch
+
     from pipetrain.graph import capture
     from pipetrain.profile import profile_captured
 

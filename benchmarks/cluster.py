@@ -133,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                 r = runs[name]
                 log(f"  {name:<9} {r.get('config')!s:<10} measured {fmt(r.get('time_per_minibatch'))} "
                     f"predicted {fmt(r.get('predicted_time_per_minibatch'))} "
-                    f"samples/s {r.get('samples_per_second') or 0:.1f} bytes/sample {r.get('bytes_per_sample') or 0:.0f}"
+                    f"samples/s {r.get('samples_per_second') or 0:.1f} "
+                    f"bytes/sample {r.get('bytes_per_sample') or 0:.0f}"
                     + (f"  ERROR {r['error']}" if r.get("error") else ""))
             bits = int(parse_rate(a.bandwidth)) if a.bandwidth else None
             results.append(_summary(hosts, bits, runs, calibration_summary(cal), time.monotonic() - t0))
@@ -148,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(out))
     else:
         for r in results:
-            print(f"{r['hosts']} hosts @ {r['bandwidth_bits_per_second'] / 1e6:g} Mbit/s: planner {r['planner_config']} "
+            print(f"{r['hosts']} hosts @ {r['bandwidth_bits_per_second'] / 1e6:g} Mbit/s: "
+                  f"planner {r['planner_config']} "
                   f"{r['planner_samples_per_second'] or 0:.1f} samples/s vs dp {r['dp_samples_per_second'] or 0:.1f} "
                   f"({r['speedup_over_dp'] or 0:.2f}x); bytes/sample {r['planner_bytes_per_sample'] or 0:.0f} vs "
                   f"{r['dp_bytes_per_sample'] or 0:.0f}; prediction error {r['prediction_error'] or 0:.1%}")

@@ -44,7 +44,7 @@ class ModelSetup:
         self.captured = capture(bundle.model, self.inputs)
         self.profiles: dict[int, Any] = {}
         self.step_times: dict[tuple[str, ...], float] = {}
-        self._values: dict[Any, dict[str, Any]] = {}
+        self._values: dict[int, dict[str, Any]] = {}
         self._stage_seconds: dict[tuple[tuple[str, ...], int], float] = {}
 
     def profile(self, samples: int) -> Any:
@@ -72,24 +72,17 @@ class ModelSetup:
         return Profile(prof.model, self.batch_size, nodes, prof.device, prof.optimizer,
                        prof.optimizer_state_bytes_per_parameter_byte)
 
+    def unit_inputs(self, samples: int) -> tuple[Any, ...]:
+        """The model's inputs for a unit: the first ``samples`` samples."""
+        return tuple(x[:samples] for x in self.inputs)
+
     def node_values(self, samples: int) -> dict[str, Any]:
         """Every node's output on the first ``samples`` samples (one forward of the whole model)."""
-        import torch
+        from pipetrain.plan.stage_timing import _node_values
 
-        key = ("values", samples)
-        if key not in self._values:
-            values: dict[str, Any] = {}
-
-            class Keep(torch.fx.Interpreter):
-                def run_node(self, n: Any) -> Any:
-                    out = super().run_node(n)
-                    values[n.name] = out
-                    return out
-
-            with torch.no_grad():
-                Keep(self.captured.gm).run(*(x[:samples] for x in self.inputs))
-            self._values[key] = values
-        return self._values[key]
+        if samples not in self._values:
+            self._values[samples] = _node_values(self.captured.gm, self.unit_inputs(samples))
+        return self._values[samples]
 
     def concurrent_stage_seconds(self, plan: Any, units: int, window: float = 2.0) -> list[float]:
         """Forward + backward seconds of every stage as a whole, measured with one process per
@@ -120,11 +113,12 @@ class ModelSetup:
     def stage_seconds(self, nodes: list[str], samples: int) -> float:
         """Measured forward + backward seconds of the stage made of ``nodes`` as a whole, on a
         unit of ``samples`` samples (median of ``repeats``, one thread, alone)."""
+        from pipetrain.plan.stage_timing import stage_seconds
+
         key = (tuple(nodes), samples)
         if key not in self._stage_seconds:
-            once = self._stage_fn(nodes, samples)
-            once()
-            self._stage_seconds[key] = statistics.median(once() for _ in range(self.repeats))
+            self._stage_seconds[key] = stage_seconds(self.captured.gm, self.unit_inputs(samples), [nodes],
+                                                     self.repeats, self.node_values(samples))[0]
         return self._stage_seconds[key]
 
     def _stage_fn(self, nodes: list[str], samples: int) -> Any:
@@ -138,24 +132,15 @@ class ModelSetup:
         """:meth:`minibatch_profile` with each stage's node times scaled so that they add up to
         the stage's measured time as a whole (:meth:`concurrent_stage_seconds`, or alone with
         ``concurrent=False``); the forward/backward split within a stage stays the per-node
-        profile's."""
-        from pipetrain.profile.types import Profile
+        profile's (:func:`pipetrain.plan.stage_timing.refine_profile`)."""
+        from pipetrain.plan.stage_timing import refine_profile
 
         prof = self.minibatch_profile(units)
         samples = self.batch_size // units
         measured = (self.concurrent_stage_seconds(plan, units) if concurrent else
                     [self.stage_seconds(list(st.nodes), samples) for st in plan.stages])
-        factor: dict[str, float] = {}
-        for st, secs in zip(plan.stages, measured):
-            nodes = [prof[n] for n in st.nodes if not prof[n].is_input]
-            summed = sum(n.forward_time + n.backward_time for n in nodes) / units
-            f = secs / summed if summed > 0 else 1.0
-            for n in st.nodes:
-                factor[n] = f
-        nodes = [replace(n, forward_time=n.forward_time * factor.get(n.name, 1.0),
-                         backward_time=n.backward_time * factor.get(n.name, 1.0)) for n in prof.nodes]
-        return Profile(prof.model, prof.batch_size, nodes, prof.device, prof.optimizer,
-                       prof.optimizer_state_bytes_per_parameter_byte)
+        # ``measured`` is a unit's seconds; ``prof`` holds ``units`` units' worth
+        return refine_profile(prof, [list(st.nodes) for st in plan.stages], [secs * units for secs in measured])
 
     def step_time(self, nodes: list[str]) -> float:
         """Seconds of one SGD step (``_foreach_add_``) over the weights of ``nodes`` (median of 7)."""

@@ -7,6 +7,7 @@ killed together. A harness worker reports by printing one ``RESULT_TAG {json}`` 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -16,8 +17,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from rss import TreeMemory
 
@@ -101,61 +103,60 @@ def run_group(commands: Sequence[Sequence[str]], timeout_s: float,
     ``sample_s`` seconds the peak RSS of each process of each tree is sampled
     (:class:`rss.TreeMemory`).
     """
-    outs = [tempfile.TemporaryFile(mode="w+") for _ in commands]
-    errs = [tempfile.TemporaryFile(mode="w+") for _ in commands]
-    procs = [subprocess.Popen(list(cmd), stdout=o, stderr=e, env=env or bench_env(),
-                              cwd=REPO_ROOT, start_new_session=True)
-             for cmd, o, e in zip(commands, outs, errs)]
-    t0 = time.monotonic()
-    mem = TreeMemory()
-    members: list[set[int]] = [{p.pid} for p in procs]  # every pid seen in each tree
-    status: dict[int, tuple[int | None, bool]] = {}
-    failed = False
-    last_sample = -math.inf
+    with contextlib.ExitStack() as files:  # the captured output, closed however this ends
+        outs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in commands]
+        errs = [files.enter_context(tempfile.TemporaryFile(mode="w+")) for _ in commands]
+        procs = [subprocess.Popen(list(cmd), stdout=o, stderr=e, env=env or bench_env(),
+                                  cwd=REPO_ROOT, start_new_session=True)
+                 for cmd, o, e in zip(commands, outs, errs)]
+        t0 = time.monotonic()
+        mem = TreeMemory()
+        members: list[set[int]] = [{p.pid} for p in procs]  # every pid seen in each tree
+        status: dict[int, tuple[int | None, bool]] = {}
+        failed = False
+        last_sample = -math.inf
 
-    def sample_all() -> None:
-        for i, p in enumerate(procs):
-            if i not in status:
-                before = set(mem.peaks)
-                mem.sample(p.pid)
-                members[i] |= set(mem.peaks) - before
-
-    try:
-        while len(status) < len(procs):
-            if time.monotonic() - last_sample >= sample_s:
-                sample_all()
-                last_sample = time.monotonic()
+        def sample_all() -> None:
             for i, p in enumerate(procs):
-                if i in status or p.poll() is None:
-                    continue
-                status[i] = (p.returncode, False)
-                _kill_group(p.pid)  # leftovers of a launcher that exited
-                failed = failed or p.returncode != 0
-            timed_out = time.monotonic() - t0 > timeout_s
-            if (failed or timed_out) and len(status) < len(procs):
-                sample_all()
+                if i not in status:
+                    before = set(mem.peaks)
+                    mem.sample(p.pid)
+                    members[i] |= set(mem.peaks) - before
+
+        try:
+            while len(status) < len(procs):
+                if time.monotonic() - last_sample >= sample_s:
+                    sample_all()
+                    last_sample = time.monotonic()
                 for i, p in enumerate(procs):
-                    if i not in status:
-                        _kill_group(p.pid)
-                        p.wait()
-                        status[i] = (None, timed_out)
-                break
-            time.sleep(0.05)
-    finally:
-        for i, p in enumerate(procs):
-            if i not in status:  # interrupted: leave nothing behind
-                _kill_group(p.pid)
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    pass
-    wall = time.monotonic() - t0
-    results: list[ProcResult] = []
-    for i, (o, e) in enumerate(zip(outs, errs)):
-        o.seek(0)
-        e.seek(0)
-        rc, to = status.get(i, (None, False))
-        results.append(ProcResult(rc, o.read(), e.read(), mem.of_tree(members[i]), to, wall))
-        o.close()
-        e.close()
+                    if i in status or p.poll() is None:
+                        continue
+                    status[i] = (p.returncode, False)
+                    _kill_group(p.pid)  # leftovers of a launcher that exited
+                    failed = failed or p.returncode != 0
+                timed_out = time.monotonic() - t0 > timeout_s
+                if (failed or timed_out) and len(status) < len(procs):
+                    sample_all()
+                    for i, p in enumerate(procs):
+                        if i not in status:
+                            _kill_group(p.pid)
+                            p.wait()
+                            status[i] = (None, timed_out)
+                    break
+                time.sleep(0.05)
+        finally:
+            for i, p in enumerate(procs):
+                if i not in status:  # interrupted: leave nothing behind
+                    _kill_group(p.pid)
+                    try:
+                        p.wait(timeout=10)
+                    except subprocess.TimeoutExpired:
+                        pass
+        wall = time.monotonic() - t0
+        results: list[ProcResult] = []
+        for i, (o, e) in enumerate(zip(outs, errs)):
+            o.seek(0)
+            e.seek(0)
+            rc, to = status.get(i, (None, False))
+            results.append(ProcResult(rc, o.read(), e.read(), mem.of_tree(members[i]), to, wall))
     return results

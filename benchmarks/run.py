@@ -40,8 +40,11 @@ import json
 import os
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from baselines import pipetrain_cli
@@ -254,10 +257,12 @@ def _predictions(cfg: Config, ms: list[Measurement], facts: ModelFacts,
     if mem_pred is None:
         mem_pred, pred_src = facts.predicted.get(cfg.name), "baselines/predict.py (harness cut)"
     mem_meas, mem_src = measured_mib, "peak RSS above set-up"
-    for m in reversed(ok):
+    mem_run = facts.memory_runs.get(cfg.name)
+    for m in ([mem_run] if mem_run is not None and mem_run.status == "ok" else []) + list(reversed(ok)):
         tensor = measured_tensor_peak(m.extra)
         if tensor is not None:
-            mem_meas, mem_src = tensor, "pipetrain --json tensor_peak_mib"
+            mem_meas, mem_src = tensor, ("pipetrain --json tensor_peak_mib (its --measure-memory run)"
+                                         if m is mem_run else "pipetrain --json tensor_peak_mib")
             break
         base = m.extra.get("rss_import_mib")
         if isinstance(base, list) and len(base) == len(m.peak_rss_mib):
@@ -329,11 +334,12 @@ def print_table(report: dict[str, Any]) -> None:
                 note = f" (m={r['compared_at_microbatches']})"
             print(f"    {key:<36}{fmt(r[key], '.2f'):>6}{note}")
         print("  issue 13:")
+        zb_predicted = r["zerobubble_vs_flush_predicted_by_m"]
         notes = {"auto_vs_best": f" (auto chose {r.get('auto_chosen')}; best other: {r.get('auto_best_other')})",
                  "pipetrain_best_pipeline_vs_torch_best": f" ({r.get('pipetrain_best_pipeline')} vs {r['torch_best']})",
                  "max_vs_ceiling": f" ({r.get('max_vs_ceiling_config')})",
                  "zerobubble_vs_flush": f" (m={r['compared_at_microbatches']}; simulator says "
-                                        f"{fmt(r['zerobubble_vs_flush_predicted_by_m'].get(str(r['compared_at_microbatches'])), '.2f')})"}
+                                        f"{fmt(zb_predicted.get(str(r['compared_at_microbatches'])), '.2f')})"}
         for key in ("auto_vs_best", "auto_prediction_error", "dp_vs_ddp", "zerobubble_vs_flush",
                     "pipetrain_best_pipeline_vs_torch_best", "max_vs_ceiling", "memory_prediction_error"):
             print(f"    {key:<36}{fmt(r.get(key), '.2f'):>6}{notes.get(key, '')}")
@@ -363,8 +369,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="timed steps per run (default: mlp 20, lm 5; --quick: 3, 1)")
     p.add_argument("--warmup", type=int, default=None, help="untimed warm-up steps per run (default 3; --quick 1)")
     p.add_argument("--models", default="mlp,lm", help="comma-separated: mlp, lm (default both)")
-    p.add_argument("--microbatches", default=None, help="comma-separated m for the microbatched schedules (default 2,4,8; --quick 4)")
-    p.add_argument("--configs", default="*", help="comma-separated glob patterns of configuration names to run (single is always run)")
+    p.add_argument("--microbatches", default=None,
+                   help="comma-separated m for the microbatched schedules (default 2,4,8; --quick 4)")
+    p.add_argument("--configs", default="*",
+                   help="comma-separated glob patterns of configuration names to run (single is always run)")
     p.add_argument("--skip", default="", help="comma-separated glob patterns of configuration names to leave out")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="a named measurement; explicit options override it (issue13: "
@@ -373,10 +381,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--split", choices=("layers", "balanced"), default=None,
                    help="stage cut of the harness's pipelines: equal numbers of layers (default), or "
                         "the cut that balances forward+backward time measured per layer before round 1")
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 round, 3 timed steps (lm 1), 1 warm-up, m=4, no 2bw, no memory prediction (under 2 minutes on a quiet machine)")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before a run's processes are killed (default 240; --quick 90)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 1 round, 3 timed steps (lm 1), 1 warm-up, m=4, no 2bw, no memory prediction "
+                        "(under 2 minutes on a quiet machine)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="seconds before a run's processes are killed (default 240; --quick 90)")
     p.add_argument("--seed", type=int, default=0, help="weights and data seed (same in every process)")
-    p.add_argument("--pipetrain", default=pipetrain_cli.default_cli(), help="the pipetrain command (default: next to this python)")
+    p.add_argument("--pipetrain", default=pipetrain_cli.default_cli(),
+                   help="the pipetrain command (default: next to this python)")
     a = p.parse_args(argv)
     for k, v in PRESETS.get(a.preset or "", {}).items():
         if getattr(a, k) in (None, "", "*"):
@@ -396,7 +408,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             p.error(f"unknown model {m!r}; choose from {sorted(BATCH_SIZES)}")
     for m in a.microbatches:
         if m < 2 or any(b % m for b in BATCH_SIZES.values()):
-            p.error(f"--microbatches {m}: each m must be >= 2 and divide the batch sizes {sorted(set(BATCH_SIZES.values()))}")
+            p.error(f"--microbatches {m}: each m must be >= 2 and divide the batch sizes "
+                    f"{sorted(set(BATCH_SIZES.values()))}")
     if not os.path.exists(a.pipetrain):
         p.error(f"--pipetrain {a.pipetrain} does not exist; install the package (make install) or pass the CLI's path")
     if a.rounds < 1 or min(a.steps_for.values()) < 1 or a.warmup < 0:
@@ -415,61 +428,78 @@ class ModelFacts:
     cut_names: dict[int, list[str]] = field(default_factory=dict)  # worker count -> pipetrain --cut names
     time_predicted: dict[str, dict[str, Any]] = field(default_factory=dict)  # config -> simulator's figures
     memory_predicted: dict[str, list[float]] = field(default_factory=dict)   # config -> tensor peak MiB per worker
+    memory_runs: dict[str, Measurement] = field(default_factory=dict)  # config -> its --measure-memory run
 
 
-def predict_times(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
-                  args: argparse.Namespace) -> None:
-    """After the last round: the simulator's time per minibatch of every pipetrain run, from a
-    profile measured here at the run's unit size (predict_time.py)."""
+def measure_memory_runs(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
+                        args: argparse.Namespace) -> None:
+    """After the rounds: one more run of every pipetrain configuration, with ``--measure-memory``
+    (the tensor ledger), for its measured tensor peak per worker. The timed rounds run without
+    the ledger, whose hooks slow some schedules (measured on the lm: zerobubble m=4 by 40%,
+    flush m=4 by 3.5%). ``auto`` is re-run on the plan, schedule and microbatches its timed
+    runs chose (``--plan``), so that the memory measured is that configuration's."""
     from headline import chosen_of
-    from predict_time import TimePredictor
 
-    try:
-        predictor = TimePredictor(build_bench_model(model, seed=args.seed), args.seed,
-                                  repeats=1 if args.quick else 3)
-    except Exception as e:  # noqa: BLE001 - a prediction failure must not lose the measurements
-        log(f"{model}: no time predictions ({type(e).__name__}: {e})")
-        return
     for cfg in cfgs:
         if cfg.kind != "pipetrain":
             continue
         chosen = chosen_of(runs.get(cfg.name, []))
-        try:
-            sim = predictor.predict(chosen, args.steps_for[model]) if chosen else None
-        except Exception as e:  # noqa: BLE001
-            log(f"{model} {cfg.name}: no time prediction ({type(e).__name__}: {e})")
-            sim = None
-        if sim is not None:
-            facts.time_predicted[cfg.name] = sim
-    del predictor
-    release_memory()
+        if not chosen:
+            continue
+        one_stage = cfg.pipetrain_config.isdigit()
+        schedule, m, config = cfg.schedule, cfg.microbatches, cfg.pipetrain_config or None
+        cut = None if one_stage else facts.cut_names.get(cfg.world)
+        plan_path = None
+        if cfg.schedule == AUTO:
+            schedule, m, config, cut = chosen["schedule"], int(chosen["microbatches"] or 1), None, None
+            plan_path = Path(tempfile.mkdtemp(prefix="pt-bench-")) / "plan.json"
+            plan_path.write_text(json.dumps(chosen["plan"]))
+        t = time.monotonic()
+        got = pipetrain_cli.run_pipetrain(
+            args.pipetrain, facts.pipetrain_spec, schedule, cfg.world, config, BATCH_SIZES[model], m,
+            args.steps_for[model], args.warmup, args.seed, args.timeout, cut, measure_memory=True,
+            plan=str(plan_path) if plan_path else None)
+        facts.memory_runs[cfg.name] = got
+        what = (f"tensor peak {measured_tensor_peak(got.extra)} MiB" if got.status == "ok"
+                else f"{got.status}: {got.error}")
+        log(f"[memory] {model:<4}{cfg.name:<26}{what}   ({time.monotonic() - t:.1f} s)")
 
 
-def predict_memory(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
-                   args: argparse.Namespace) -> None:
-    """After the last round: each pipetrain run's tensor peak per worker, predicted from a profile
-    of the model with what autograd saves (predict_memory.py), for the run's own plan and schedule."""
+def predict_runs(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
+                 args: argparse.Namespace) -> None:
+    """After the last round, for every pipetrain run: the simulator's time per minibatch, from a
+    profile measured here at the run's unit size (predict_time.py), and the tensor peak per
+    worker, predicted from a profile of the model with what autograd saves (predict_memory.py),
+    for the run's own plan and schedule. A failed prediction is logged, never loses the measurements."""
     from headline import chosen_of
     from predict_memory import MemoryPredictor
+    from predict_time import TimePredictor
 
-    try:
-        predictor = MemoryPredictor(build_bench_model(model, seed=args.seed), args.seed)
-    except Exception as e:  # noqa: BLE001 - a prediction failure must not lose the measurements
-        log(f"{model}: no memory predictions ({type(e).__name__}: {e})")
-        return
-    for cfg in cfgs:
-        if cfg.kind != "pipetrain":
-            continue
-        chosen = chosen_of(runs.get(cfg.name, []))
+    predictors: list[tuple[str, Callable[[], Any], dict[str, Any]]] = [
+        ("time", lambda: TimePredictor(build_bench_model(model, seed=args.seed), args.seed,
+                                       repeats=1 if args.quick else 3), facts.time_predicted),
+        ("memory", lambda: MemoryPredictor(build_bench_model(model, seed=args.seed), args.seed),
+         facts.memory_predicted),
+    ]
+    for what, make, predicted in predictors:
         try:
-            mem = predictor.predict(chosen, args.steps_for[model]) if chosen else None
-        except Exception as e:  # noqa: BLE001
-            log(f"{model} {cfg.name}: no memory prediction ({type(e).__name__}: {e})")
-            mem = None
-        if mem is not None:
-            facts.memory_predicted[cfg.name] = mem
-    del predictor
-    release_memory()
+            predictor = make()
+        except Exception as e:  # noqa: BLE001 - a prediction failure must not lose the measurements
+            log(f"{model}: no {what} predictions ({type(e).__name__}: {e})")
+            continue
+        for cfg in cfgs:
+            if cfg.kind != "pipetrain":
+                continue
+            chosen = chosen_of(runs.get(cfg.name, []))
+            try:
+                got = predictor.predict(chosen, args.steps_for[model]) if chosen else None
+            except Exception as e:  # noqa: BLE001
+                log(f"{model} {cfg.name}: no {what} prediction ({type(e).__name__}: {e})")
+                got = None
+            if got is not None:
+                predicted[cfg.name] = got
+        del predictor
+        release_memory()
 
 
 def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> ModelFacts:
@@ -539,9 +569,10 @@ def main(argv: list[str]) -> int:
                     + (f"{m.samples_per_second:9.1f} samples/s" if m.samples_per_second
                        else f"{m.status}: {m.error}") + f"   ({m.extra['run_wall_s']:.1f} s)")
     for model in args.models:
+        measure_memory_runs(model, cfgs, runs[model], facts[model], args)
+    for model in args.models:
         log(f"{model}: predicting the time per minibatch and the tensor memory of every pipetrain run")
-        predict_times(model, cfgs, runs[model], facts[model], args)
-        predict_memory(model, cfgs, runs[model], facts[model], args)
+        predict_runs(model, cfgs, runs[model], facts[model], args)
     report: dict[str, Any] = {
         m: summarise(m, runs[m], cfgs, args.microbatches, facts[m])
         for m in args.models}

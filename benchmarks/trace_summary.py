@@ -60,13 +60,14 @@ def draw(ranks: dict[int, list[dict[str, Any]]], path: str, steps_shown: int, ti
     span = window / steps * steps_shown
     t0 = window / 2 - span / 2
     fig, ax = plt.subplots(figsize=(10, 0.9 + 0.8 * len(ranks)))
-    for row, (r, evs) in enumerate(ranks.items()):
+    for row, evs in enumerate(ranks.values()):
         y = (len(ranks) - 1 - row) * 1.0
         for e in evs:
             if e["end"] < t0 or e["start"] > t0 + span:
                 continue
             comm = e["op"].startswith(("SEND", "RECV"))
-            ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])], (y + (0.02 if comm else 0.36), 0.3 if comm else 0.58),
+            ax.broken_barh([(e["start"] - t0, e["end"] - e["start"])],
+                           (y + (0.02 if comm else 0.36), 0.3 if comm else 0.58),
                            facecolors=COLORS.get(e["op"], "#999999"), edgecolor="white", linewidth=0.3)
             if not comm and e["end"] - e["start"] > span / 40:
                 ax.text(e["start"] - t0 + (e["end"] - e["start"]) / 2, y + 0.65, e["name"][1:] if e["op"] != "STEP"
@@ -79,7 +80,8 @@ def draw(ranks: dict[int, list[dict[str, Any]]], path: str, steps_shown: int, ti
     from matplotlib.patches import Patch
 
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in ("F", "B", "STEP", "RECV_F", "SEND_F")],
-              labels=["forward", "backward", "optimizer step", "receive wait (lower band)", "send posting (lower band)"],
+              labels=["forward", "backward", "optimizer step", "receive wait (lower band)",
+                      "send posting (lower band)"],
               fontsize=6, loc="upper center", bbox_to_anchor=(0.5, -0.35), ncol=5, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=150)

@@ -29,8 +29,9 @@ import time
 from typing import Any
 
 from baselines.pipetrain_cli import default_cli, parse_json_output
-from pipetrain.schedule import get_schedule
 from processes import run_group
+
+from pipetrain.schedule import get_schedule
 
 CLI = default_cli()
 

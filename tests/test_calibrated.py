@@ -22,8 +22,14 @@ import pytest
 from pipetrain.cluster.calibration import Calibration, LinkFit, load_calibration
 from pipetrain.errors import PipetrainError, PlanError
 from pipetrain.plan import PlanOptions, evaluate, plan
-from pipetrain.plan.calibrated import (calibrated_costs, calibrated_params, calibrated_topology,
-                                       plan_with_calibration, predict_run, ring_step_latency)
+from pipetrain.plan.calibrated import (
+    calibrated_costs,
+    calibrated_params,
+    calibrated_topology,
+    plan_with_calibration,
+    predict_run,
+    ring_step_latency,
+)
 from pipetrain.plan.cost import LevelCtx, PipetrainCost, stage_arrays
 from pipetrain.plan.traffic import plan_cut_bytes
 from pipetrain.plan.types import Plan, Stage
@@ -256,7 +262,8 @@ def test_refined_profile_adds_up_to_the_measured_stage_times() -> None:
         assert sum(new[n].compute_time for n in nodes) == pytest.approx(s, rel=1e-12)
         for n in nodes:  # the forward/backward split within a node is kept
             if prof[n].compute_time:
-                assert new[n].forward_time / new[n].compute_time == pytest.approx(prof[n].forward_time / prof[n].compute_time)
+                assert new[n].forward_time / new[n].compute_time == pytest.approx(
+                    prof[n].forward_time / prof[n].compute_time)
     assert [n.activation_bytes for n in new.nodes] == [n.activation_bytes for n in prof.nodes]
 
 

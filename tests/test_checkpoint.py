@@ -8,9 +8,19 @@ import pytest
 import torch
 from torch import nn
 
-from pipetrain.checkpoint import (CheckpointError, RankState, check_model, complete_checkpoints, export_state_dict,
-                                  latest_checkpoint, load_for_rank, load_into_model, read_manifest, require_latest,
-                                  save_checkpoint_dir)
+from pipetrain.checkpoint import (
+    CheckpointError,
+    RankState,
+    check_model,
+    complete_checkpoints,
+    export_state_dict,
+    latest_checkpoint,
+    load_for_rank,
+    load_into_model,
+    read_manifest,
+    require_latest,
+    save_checkpoint_dir,
+)
 from pipetrain.errors import PipetrainError
 
 
@@ -45,7 +55,8 @@ def test_optimizer_scalars_stash_and_extras_round_trip(tmp_path: Path) -> None:
     w = {"a": torch.randn(3, 2), "b": torch.randn(4)}
     state = RankState(model=w, stashed={5: {"a": w["a"] * 2}},
                       optimizer={"a": {"exp_avg": torch.ones(3, 2), "step": 6, "lr_scale": 0.5}},
-                      stage_steps={"a": 6, "b": 6}, extras={"position": [3, 4], "rng": torch.arange(4, dtype=torch.uint8)})
+                      stage_steps={"a": 6, "b": 6},
+                      extras={"position": [3, 4], "rng": torch.arange(4, dtype=torch.uint8)})
     path = save_checkpoint_dir(tmp_path, 6, rank_state=state, manifest_info={}, sync_files=False)
     got = load_for_rank(path, {"a": (3, 2)}, rank=0, stash=True)
     assert list(got.model) == ["a"] and torch.equal(got.model["a"], w["a"])
@@ -80,8 +91,8 @@ def test_another_model_names_the_first_mismatch(tmp_path: Path) -> None:
         load_for_rank(path, {"2.bias": (4,)})
     man = read_manifest(path)
     check_model(man, "net", {})
-    with pytest.raises(CheckpointError, match=r"is for model net \{\}, not model gpt \{'layers': \[1, 2\]\}; resume with "
-                                              r"the same --model and --option values"):
+    with pytest.raises(CheckpointError, match=r"is for model net \{\}, not model gpt \{'layers': \[1, 2\]\}; "
+                                              r"resume with the same --model and --option values"):
         check_model(man, "gpt", {"layers": (1, 2)})
 
 
@@ -145,8 +156,8 @@ def test_values_that_cannot_be_stored_are_refused_before_writing(tmp_path: Path)
     with pytest.raises(CheckpointError, match=r"rank 0: rank 0's extra 'gen' is a Generator, neither a tensor nor "
                                               r"JSON-serializable"):
         save_checkpoint_dir(tmp_path, 1, rank_state=RankState(extras={"gen": torch.Generator()}), manifest_info={})
-    with pytest.raises(CheckpointError, match=r"optimizer state 'fn' of parameter 'w' is a object, neither a tensor nor "
-                                              r"JSON-serializable; store it as a tensor or a number"):
+    with pytest.raises(CheckpointError, match=r"optimizer state 'fn' of parameter 'w' is a object, neither a tensor "
+                                              r"nor JSON-serializable; store it as a tensor or a number"):
         save_checkpoint_dir(tmp_path, 1, rank_state=RankState(model={"w": torch.ones(1)},
                                                               optimizer={"w": {"fn": object()}}), manifest_info={})
     with pytest.raises(CheckpointError, match=r"manifest_info is not JSON-serializable"):

@@ -7,24 +7,27 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
+from dist_harness import TIMEOUT_S, context, join_or_kill, launch
 
-from pipetrain.checkpoint import (RankState, latest_checkpoint, load_for_rank, load_into_model, read_manifest,
-                                  save_checkpoint_dir)
+from pipetrain.checkpoint import (
+    RankState,
+    latest_checkpoint,
+    load_for_rank,
+    load_into_model,
+    read_manifest,
+    save_checkpoint_dir,
+)
 from pipetrain.models import TINY_OPTIONS, get_model
 
-TIMEOUT_S = 90.0
+#: modules the forkserver imports once, before it forks the ranks
+PRELOAD = ["pipetrain.checkpoint", "pipetrain.models"]
 
 
 # --------------------------------------------------------------------------- the data
@@ -74,59 +77,6 @@ INFO = {"model": "mlp", "model_options": TINY_OPTIONS["mlp"], "schedule": "flush
         "plan": {"config": "4 stages", "stages": [["fc0"], ["fc1"], ["fc2"], ["fc3"]]}}
 
 
-# --------------------------------------------------------------------------- the launcher
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(fn: Callable[..., None], rank: int, world: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-        try:
-            fn(rank, world, Path(out))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        Path(out, f"error_{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def _context() -> Any:
-    """forkserver: one clean process imports torch and pipetrain once, then forks every child
-    (fast, and fork-safe since that process runs no threads of its own)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["pipetrain.checkpoint", "pipetrain.models"])
-    return ctx
-
-
-def _launch(fn: Callable[..., None], world: int, out: Path) -> None:
-    """Run ``fn(rank, world, out)`` on ``world`` spawned gloo ranks; fail (never hang) on error."""
-    ctx = _context()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, port, str(out)), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    errors = [f.read_text() for f in sorted(out.glob("error_*.txt"))]
-    assert not hung, f"ranks {hung} did not finish in {TIMEOUT_S} s; errors: {errors}"
-    assert all(p.exitcode == 0 for p in procs), f"exit codes {[p.exitcode for p in procs]}; errors: {errors}"
-
-
 # --------------------------------------------------------------------------- the workers
 
 
@@ -168,7 +118,7 @@ def _load_worker(rank: int, world: int, out: Path) -> None:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("dist")
-    _launch(_save_worker, 4, out)
+    launch(_save_worker, 4, out, preload=PRELOAD)
     return out
 
 
@@ -194,7 +144,7 @@ def test_load_into_model_after_parallel_save(saved: Path) -> None:
 
 
 def test_two_ranks_with_another_split_reproduce_every_tensor(saved: Path) -> None:
-    _launch(_load_worker, 2, saved)
+    launch(_load_worker, 2, saved, preload=PRELOAD)
     parts = [torch.load(saved / f"load_{r}.pt", weights_only=False) for r in range(2)]
     model: dict[str, torch.Tensor] = {}
     optim: dict[str, Any] = {}
@@ -253,12 +203,9 @@ def test_killed_write_leaves_previous_checkpoint_in_use(tmp_path: Path, when: st
     root = tmp_path / "ckpt"
     first = {"w": torch.full((256, 256), 1.0), "b": torch.zeros(3)}
     save_checkpoint_dir(root, 1, rank_state=RankState(model=first), manifest_info={"model": "m"})
-    proc = _context().Process(target=_killed_save, args=(str(root), when), daemon=True)
+    proc = context(PRELOAD).Process(target=_killed_save, args=(str(root), when), daemon=True)
     proc.start()
-    proc.join(TIMEOUT_S)
-    if proc.is_alive():
-        proc.kill()
-        proc.join(5)
+    join_or_kill([proc], TIMEOUT_S)
     assert proc.exitcode == -signal.SIGKILL
     tmp = root / "step_00000002.tmp"
     assert tmp.is_dir() and any(f.suffix == ".distcp" and f.stat().st_size > 0 for f in tmp.iterdir())

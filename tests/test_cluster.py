@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 
@@ -100,10 +100,9 @@ def test_hosts_talk_over_limited_links_and_everything_is_removed(nothing_left: l
 
 def test_exception_sigterm_and_sigkill_leave_nothing_behind(nothing_left: list[str]) -> None:
     c = EmulatedCluster(hosts=2, bandwidth="50Mbit")
-    with pytest.raises(KeyError):
-        with c:
-            nothing_left.append(c.cluster_id)
-            raise KeyError("boom")
+    with pytest.raises(KeyError), c:
+        nothing_left.append(c.cluster_id)
+        raise KeyError("boom")
     hold = ("import sys, time\nfrom pipetrain.cluster import EmulatedCluster\n"
             "with EmulatedCluster(hosts=2, bandwidth='50Mbit') as c:\n"
             "    p = c.popen(0, ['sleep', '300'])\n"

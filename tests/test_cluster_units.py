@@ -301,9 +301,8 @@ def test_failed_setup_removes_what_it_made(fake_ip: FakeIp, tmp_path: Path) -> N
     fake_ip.fail_on = "type veth"
     before = signal.getsignal(signal.SIGTERM)
     c = netns.EmulatedCluster(2, "50Mbit", cluster_id="c0ffee")
-    with pytest.raises(RuntimeError, match="fake failure"):
-        with c:
-            pass
+    with pytest.raises(RuntimeError, match="fake failure"), c:
+        pass
     assert fake_ip.namespaces == ["netns-of-someone-else"]
     assert fake_ip.deleted() == ["pipetrain-c0ffee-h0", "pipetrain-c0ffee-h1", "pipetrain-c0ffee-br"]
     assert not (tmp_path / "etc-netns").exists()  # hosts files and the emptied directory

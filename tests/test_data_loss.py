@@ -11,8 +11,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipetrain.data import (
-    ArrayDataset, CrossEntropy, DataSource, MeanSquaredError, check_fits, correct_count, load_data,
-    loss_for, loss_for_bundle, loss_sum, model_options_for, output_logits, token_loss_sum,
+    ArrayDataset,
+    CrossEntropy,
+    DataSource,
+    MeanSquaredError,
+    check_fits,
+    correct_count,
+    load_data,
+    loss_for,
+    loss_for_bundle,
+    loss_sum,
+    model_options_for,
+    output_logits,
+    token_loss_sum,
 )
 from pipetrain.data.text import load_text
 from pipetrain.errors import DataError, ModelError

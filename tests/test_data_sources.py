@@ -4,8 +4,8 @@ from __future__ import annotations
 import os
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import numpy as np
 import pytest

@@ -11,8 +11,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pipetrain.metrics import (CompareRow, EvalAccumulator, EvalResult, MetricsLogger, Progress, TargetTracker,
-                               TrainClock, TrainPoint, format_table, read_metrics, rows_to_json, write_run_files)
+from pipetrain.metrics import (
+    CompareRow,
+    EvalAccumulator,
+    EvalResult,
+    MetricsLogger,
+    Progress,
+    TargetTracker,
+    TrainClock,
+    TrainPoint,
+    format_table,
+    read_metrics,
+    rows_to_json,
+    write_run_files,
+)
 from pipetrain.metrics.plots import write_plots
 
 
@@ -71,7 +83,8 @@ def test_a_run_to_a_target_leaves_consistent_records(tmp_path: Path, caplog: pyt
     trains = [d for d in lines if d["kind"] == "train"]
     assert [d["step"] for d in trains] == list(range(1, r.step + 1))
     assert lines[-1]["kind"] == "end" and lines[-1]["time_to_accuracy"] == r.wall_time
-    assert {"config.json", "plan.json", "schedule.txt", "metrics.jsonl"} <= {p.name for p in (tmp_path / "reach").iterdir()}
+    written = {p.name for p in (tmp_path / "reach").iterdir()}
+    assert {"config.json", "plan.json", "schedule.txt", "metrics.jsonl"} <= written
     assert any(m.getMessage().startswith("eval at epoch") for m in caplog.records)
 
     missed, sps2 = _train(tmp_path / "miss", target_accuracy=1.0, epochs=2, eval_every=12)

@@ -23,14 +23,14 @@ def _eval(step: int, acc: float | None, ppl: float | None = None) -> EvalResult:
 def test_without_a_terminal_log_lines_every_n_steps(caplog: pytest.LogCaptureFixture) -> None:
     now = [0.0]
     stream = io.StringIO()
-    with caplog.at_level(logging.INFO, logger="pipetrain"):
-        with Progress(25, steps_per_epoch=10, batch_size=4, log_every=10, stream=stream, clock=lambda: now[0]) as p:
-            assert not p.bar
-            for step in range(1, 26):
-                now[0] = step * 0.5
-                p.update(step, loss=1.0 / step)
-                if step == 10:
-                    p.eval(_eval(10, 0.8125))
+    with (caplog.at_level(logging.INFO, logger="pipetrain"),
+          Progress(25, steps_per_epoch=10, batch_size=4, log_every=10, stream=stream, clock=lambda: now[0]) as p):
+        assert not p.bar
+        for step in range(1, 26):
+            now[0] = step * 0.5
+            p.update(step, loss=1.0 / step)
+            if step == 10:
+                p.eval(_eval(10, 0.8125))
     assert stream.getvalue() == ""  # nothing but the logger
     lines = [r.getMessage() for r in caplog.records if r.name == "pipetrain.progress"]
     assert lines == [
@@ -51,12 +51,11 @@ def test_jumps_over_a_multiple_still_log(caplog: pytest.LogCaptureFixture) -> No
 
 def test_bar_on_a_terminal_shows_loss_accuracy_and_rate(caplog: pytest.LogCaptureFixture) -> None:
     stream = _Tty()
-    with caplog.at_level(logging.INFO, logger="pipetrain"):
-        with Progress(10, batch_size=8, stream=stream) as p:
-            assert p.bar
-            p.update(5, loss=0.123456, samples_per_second=250.0)
-            p.eval(_eval(5, 0.75))
-            p.update(10, loss=0.1)
+    with caplog.at_level(logging.INFO, logger="pipetrain"), Progress(10, batch_size=8, stream=stream) as p:
+        assert p.bar
+        p.update(5, loss=0.123456, samples_per_second=250.0)
+        p.eval(_eval(5, 0.75))
+        p.update(10, loss=0.1)
     out = stream.getvalue()
     assert "10/10" in out and "loss=0.1000" in out and "acc=0.7500" in out and "samples/s=" in out
     assert "eval at epoch 0.50 (step 5): accuracy 0.7500" in out  # printed above the bar

@@ -6,8 +6,8 @@ import operator
 import pickle
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -15,8 +15,16 @@ from torch import nn
 
 from pipetrain.errors import ModelError, PipetrainError
 from pipetrain.models import (
-    EXTRA_MODEL_NAMES, MODEL_NAMES, TINY_OPTIONS, ModelBundle, build_model, default_batch_size, default_options,
-    get_model, load_model, wrap_model,
+    EXTRA_MODEL_NAMES,
+    MODEL_NAMES,
+    TINY_OPTIONS,
+    ModelBundle,
+    build_model,
+    default_batch_size,
+    default_options,
+    get_model,
+    load_model,
+    wrap_model,
 )
 from pipetrain.models.resnet import Bottleneck
 

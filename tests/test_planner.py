@@ -96,20 +96,20 @@ def brute_force(prof: Profile, N: int, B: float, straight: bool = False, num_sta
         if len(acc) >= N:
             return
         for J in ideals:
-            if J != cur and J & cur == cur:
+            if cur != J and J & cur == cur:
                 acc.append(J)
                 yield from chains(J, acc)
                 acc.pop()
 
     for chain in chains(0, []):
         P = len(chain)
-        if num_stages is not None and P != num_stages:
+        if num_stages is not None and num_stages != P:
             continue
         prev = [0] + chain[:-1]
-        stages = [J & ~I for I, J in zip(prev, chain)]
+        stages = [J & ~ideal for ideal, J in zip(prev, chain)]
         C = [tot(s, "forward_time") + tot(s, "backward_time") for s in stages]
         W = [params(s) for s in stages]
-        X = [cut(I) for I in chain[:-1]]
+        X = [cut(ideal) for ideal in chain[:-1]]
         A = [act(s) for s in stages]
         Xin = [0.0] + X
         reps = [(1,) * P] if straight else [r for r in itertools.product(range(1, N + 1), repeat=P) if sum(r) <= N]
@@ -175,10 +175,10 @@ def test_pipetrain_steady_state_is_optimal() -> None:
         topo = Topology.flat(3, 2e9)
         p = plan(prof, topo, PlanOptions(cost_model="pipetrain"))
         best = math.inf
-        for I in _stage_lists(prof, 3):
-            for r in itertools.product(range(1, 4), repeat=len(I)):
+        for stage_list in _stage_lists(prof, 3):
+            for r in itertools.product(range(1, 4), repeat=len(stage_list)):
                 if sum(r) <= 3:
-                    stages = [Stage(nodes, rr) for nodes, rr in zip(I, r)]
+                    stages = [Stage(nodes, rr) for nodes, rr in zip(stage_list, r)]
                     best = min(best, evaluate_detail(prof, stages, topo, "pipetrain").steady)
         assert p.extra["steady_time"] == pytest.approx(best, rel=1e-9)
 
@@ -195,7 +195,7 @@ def _stage_lists(prof: Profile, max_stages: int) -> list[list[list[str]]]:
         if len(acc) >= max_stages:
             return
         for J in ideals:
-            if J != cur and J & cur == cur:
+            if cur != J and J & cur == cur:
                 acc.append([nd.name for v, nd in enumerate(prof.nodes) if (J & ~cur) >> v & 1])
                 rec(J, acc)
                 acc.pop()
@@ -345,7 +345,8 @@ def test_error_parse_topology(workers: str, bandwidth: str, match: str) -> None:
 
 def test_error_no_plan_fits_gives_needed_memory() -> None:
     prof = random_profile(8, 2, chain=True)
-    with pytest.raises(PlanError, match=r"no plan fits .* smallest memory per worker that fits is about ([0-9.e+]+) bytes") as err:
+    with pytest.raises(PlanError,
+                       match=r"no plan fits .* smallest memory per worker that fits is about ([0-9.e+]+) bytes") as err:
         plan(prof, Topology.flat(4, 1e9, 1000.0), PD)
     need = float(err.value.args[0].split("about ")[1].split(" bytes")[0])
     p = plan(prof, Topology.flat(4, 1e9, need * 1.001), PD)
@@ -392,7 +393,8 @@ def inception_like(modules: int, branches: int, depth: int) -> Profile:
             for d in range(depth):
                 name = f"m{m}b{b}d{d}"
                 f = rnd.uniform(0.2e-3, 2e-3)
-                nodes.append(NodeProfile(name, "Conv", f, 2 * f, rnd.choice([1e6, 2e6]), rnd.choice([1e5, 1e6]), [last]))
+                nodes.append(NodeProfile(name, "Conv", f, 2 * f, rnd.choice([1e6, 2e6]), rnd.choice([1e5, 1e6]),
+                                         [last]))
                 last = name
             ends.append(last)
         nodes.append(NodeProfile(f"cat{m}", "Concat", 0, 0, 4e6, 0, ends))

@@ -40,11 +40,15 @@ def test_table_and_output(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert saved.num_workers <= 16 and saved.topology is not None and len(saved.topology.levels) == 2
 
 
-def test_no_output_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_no_output_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                capsys: pytest.CaptureFixture[str]) -> None:
     prof = tmp_path / "m.txt"
-    prof.write_text("node1 -- Input -- forward_compute_time=0, backward_compute_time=0, activation_size=64, parameter_size=0\n"
-                    "node2 -- Linear -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=64, parameter_size=1024\n"
-                    "node3 -- Linear -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=64, parameter_size=1024\n"
+    prof.write_text("node1 -- Input -- forward_compute_time=0, backward_compute_time=0, activation_size=64, "
+                    "parameter_size=0\n"
+                    "node2 -- Linear -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=64, "
+                    "parameter_size=1024\n"
+                    "node3 -- Linear -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=64, "
+                    "parameter_size=1024\n"
                     "\tnode1 -- node2\n\tnode2 -- node3\n")
     monkeypatch.chdir(tmp_path)
     assert main(["plan", str(prof), "--workers", "2", "--json"]) == 0
@@ -61,8 +65,10 @@ def test_no_output_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 ])
 def test_errors_exit_2(tmp_path: Path, argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
     prof = tmp_path / "m.txt"
-    prof.write_text("node1 -- Input -- forward_compute_time=0, backward_compute_time=0, activation_size=64, parameter_size=0\n"
-                    "node2 -- Linear -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=64, parameter_size=1024\n"
+    prof.write_text("node1 -- Input -- forward_compute_time=0, backward_compute_time=0, activation_size=64, "
+                    "parameter_size=0\n"
+                    "node2 -- Linear -- forward_compute_time=1.0, backward_compute_time=2.0, activation_size=64, "
+                    "parameter_size=1024\n"
                     "\tnode1 -- node2\n")
     assert main(["plan", str(prof)] + argv) == 2
     assert match in capsys.readouterr().err

@@ -6,9 +6,9 @@ import random
 import numpy as np
 import pytest
 
+from pipetrain.errors import PlanError
 from pipetrain.plan import CostParams, Stage, Topology, evaluate, parse_quantity, parse_topology
 from pipetrain.plan.cost import LevelCtx, PipeDreamCost, PipetrainCost, evaluate_detail, infer_hierarchy
-from pipetrain.errors import PlanError
 from pipetrain.profile.types import NodeProfile, Profile
 
 

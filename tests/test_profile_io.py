@@ -140,7 +140,8 @@ def test_negative_time() -> None:
     with pytest.raises(ProfileError, match=r"node 'a' has forward_time=-1.0"):
         profile_from_dict(d)
     with pytest.raises(ProfileError, match=r"node .node1. has backward_compute_time=-2.0"):
-        parse_pipedream_txt("node1 -- Linear -- forward_compute_time=1.0, backward_compute_time=-2.0, activation_size=1.0, parameter_size=0.0\n")
+        parse_pipedream_txt("node1 -- Linear -- forward_compute_time=1.0, backward_compute_time=-2.0, "
+                            "activation_size=1.0, parameter_size=0.0\n")
 
 
 def test_edge_to_unknown_node() -> None:
@@ -148,7 +149,8 @@ def test_edge_to_unknown_node() -> None:
     d["nodes"][2]["inputs"] = ["zz"]
     with pytest.raises(ProfileError, match=r"reads 'zz', which is not a node"):
         profile_from_dict(d)
-    text = "node1 -- Input -- forward_compute_time=0, backward_compute_time=0, activation_size=4, parameter_size=0\n\tnode1 -- node7\n"
+    text = ("node1 -- Input -- forward_compute_time=0, backward_compute_time=0, activation_size=4, parameter_size=0\n"
+            "\tnode1 -- node7\n")
     with pytest.raises(ProfileError, match=r"names node 'node7'"):
         parse_pipedream_txt(text)
 
@@ -169,13 +171,17 @@ def test_unparseable_line() -> None:
     with pytest.raises(ProfileError, match=r"<string>:2: cannot parse line 'node2 garbage'"):
         parse_pipedream_txt(good + "node2 garbage\n")
     with pytest.raises(ProfileError, match=r":2: cannot parse line .*forward_compute_time=abc"):
-        parse_pipedream_txt(good + "node2 -- X -- forward_compute_time=abc, backward_compute_time=0, activation_size=4, parameter_size=0\n")
+        parse_pipedream_txt(good + "node2 -- X -- forward_compute_time=abc, backward_compute_time=0, "
+                                   "activation_size=4, parameter_size=0\n")
 
 
 def test_txt_by_extension(tmp_path: Path) -> None:
-    text = ("node2 -- Linear -- forward_compute_time=2.0, backward_compute_time=4.0, activation_size=[8.0; 2.0], parameter_size=16.0\n"
-            "node1 -- Input -- forward_compute_time=5.0, backward_compute_time=0.0, activation_size=4.0, parameter_size=0.0\n"
-            "node3 -- __getitem__(1) -- forward_compute_time=0.0, backward_compute_time=0.0, activation_size=2.0, parameter_size=0.0\n"
+    text = ("node2 -- Linear -- forward_compute_time=2.0, backward_compute_time=4.0, activation_size=[8.0; 2.0], "
+            "parameter_size=16.0\n"
+            "node1 -- Input -- forward_compute_time=5.0, backward_compute_time=0.0, activation_size=4.0, "
+            "parameter_size=0.0\n"
+            "node3 -- __getitem__(1) -- forward_compute_time=0.0, backward_compute_time=0.0, activation_size=2.0, "
+            "parameter_size=0.0\n"
             "\tnode1 -- node2\n\tnode2 -- node3\n")
     (tmp_path / "m.txt").write_text(text)
     prof = load_profile(tmp_path / "m.txt")

@@ -53,7 +53,8 @@ def test_activation_bytes_are_real_output_sizes(name: str) -> None:
         if node.kind == "module":
             target = cm.graph[node.name].target
             got: list[int] = []
-            h = b.model.get_submodule(target).register_forward_hook(lambda _m, _i, o: got.append(nbytes(o)))
+            h = b.model.get_submodule(target).register_forward_hook(
+                lambda _m, _i, o, got=got: got.append(nbytes(o)))
             with torch.no_grad():
                 b.model(*b.example_inputs)
             h.remove()

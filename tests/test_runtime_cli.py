@@ -30,7 +30,8 @@ CLI = os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "pipetrain"
     (["--workers", "2", "--schedule", "interleaved", "--config", "1-1-1", "--virtual-stages", "2"],
      r"--workers 2 does not match --config 1-1-1, which needs 3 workers \(2 stages per rank\)"),
     (["--schedule", "flush", "--vertical-sync"], r"--vertical-sync applies to the pipedream schedule only"),
-    (["--schedule", "pipedream", "--microbatches", "2"], r"pipedream moves whole minibatches, so --microbatches must be 1"),
+    (["--schedule", "pipedream", "--microbatches", "2"],
+     r"pipedream moves whole minibatches, so --microbatches must be 1"),
     (["--clip-grad-norm", "-1"], r"--clip-grad-norm must be > 0"),
     (["--lr-schedule", "triangle"], r"unknown learning-rate schedule 'triangle'"),
     (["--steps", "0"], r"--steps must be an integer >= 1, got 0"),
@@ -263,7 +264,8 @@ def test_missing_save_directories_are_created(capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--optimizer", "adam", "--eps", "-1"], r"Adam eps must be a finite number > 0, got -1\.0; pass e\.g\. --eps 1e-8"),
+    (["--optimizer", "adam", "--eps", "-1"],
+     r"Adam eps must be a finite number > 0, got -1\.0; pass e\.g\. --eps 1e-8"),
     (["--optimizer", "adam", "--betas", "2,3"], r"Adam betas must be two numbers in \[0, 1\), got \(2\.0, 3\.0\)"),
     (["--betas", "0.9"], r"--betas takes two numbers like 0\.9,0\.999, got '0\.9'"),
     (["--lr", "inf"], r"learning rate must be a finite number in \(0, 1e6\], got inf; pass e\.g\. --lr 0\.01"),
@@ -311,7 +313,8 @@ def test_failure_records_name_the_originating_rank() -> None:
     assert root == FailureRecord(2, "RuntimeError", False, "boom", None)
     assert board.of_rank(0) == FailureRecord(0, "ConnectionError", False, "peer closed", 2)
     e = WorkerFailure.of(root)
-    assert (e.rank, e.message, e.user_error, str(e)) == (2, "RuntimeError: boom", False, "rank 2 failed: RuntimeError: boom")
+    assert (e.rank, e.message, e.user_error, str(e)) == (2, "RuntimeError: boom", False,
+                                                         "rank 2 failed: RuntimeError: boom")
     user = WorkerFailure.of(FailureRecord.of(1, ModelError("bad option")))
     assert (user.message, user.user_error) == ("bad option", True)
     assert FailureRecord.from_json(root.to_json()) == root

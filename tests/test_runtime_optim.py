@@ -77,7 +77,8 @@ def test_optimizer_state_round_trip() -> None:
     p1 = o1.apply(p, {"w": torch.ones(3)}, 0.01)
     o2 = FunctionalOptimizer(cfg)
     o2.load_state_dict(o1.state_dict())
-    torch.testing.assert_close(o1.apply(p1, {"w": torch.ones(3)}, 0.01)["w"], o2.apply(p1, {"w": torch.ones(3)}, 0.01)["w"])
+    torch.testing.assert_close(o1.apply(p1, {"w": torch.ones(3)}, 0.01)["w"],
+                               o2.apply(p1, {"w": torch.ones(3)}, 0.01)["w"])
     assert o2.steps == 2
 
 

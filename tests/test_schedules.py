@@ -8,8 +8,18 @@ import pytest
 
 from pipetrain.errors import ScheduleError
 from pipetrain.schedule import (
-    SCHEDULE_NAMES, SCHEDULES, Action, Op, Schedule, build_schedule, check_structure, get_schedule, insert_comm, lcm,
-    strip_comm, validate,
+    SCHEDULE_NAMES,
+    SCHEDULES,
+    Action,
+    Op,
+    Schedule,
+    build_schedule,
+    check_structure,
+    get_schedule,
+    insert_comm,
+    lcm,
+    strip_comm,
+    validate,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "schedules"
@@ -134,7 +144,7 @@ def test_send_right_after_compute_and_recv_right_before() -> None:
 
 def test_allreduce_only_for_replicated_stages_right_before_step() -> None:
     s = build_schedule("pipedream", [2, 1], 1, 6)
-    for rank, acts in enumerate(s.workers):
+    for acts in s.workers:
         for i, a in enumerate(acts):
             if a.op is Op.ALLREDUCE:
                 assert len(s.stage_ranks[a.stage]) == 2
@@ -212,7 +222,7 @@ def test_vertical_sync_uses_stage0_version() -> None:
 def test_twobw_versions() -> None:
     m = 3
     s = build_schedule("2bw", [1, 1, 1], m, 4)
-    for (stage, op, u), v in _versions(s).items():
+    for (_stage, _op, u), v in _versions(s).items():
         assert v == max(u // m - 1, 0)
     validate(s)
 
@@ -221,10 +231,10 @@ def test_twobw_versions() -> None:
 def test_sync_versions_are_step_index(name: str) -> None:
     m = 4
     s = build_schedule(name, [1, 2], m, 3)
-    for (stage, op, u), v in _versions(s).items():
+    for (_stage, _op, u), v in _versions(s).items():
         assert v == u // m
     s = build_schedule("interleaved", [1] * 4, 2, 3, virtual_stages=2)
-    for (stage, op, u), v in _versions(s).items():
+    for (_stage, _op, u), v in _versions(s).items():
         assert v == u // 2
 
 
@@ -332,7 +342,7 @@ def test_every_name_has_one_spec() -> None:
 
 
 def test_spec_build_equals_build_schedule() -> None:
-    for name, stem, replicas, m, steps, options in GOLDEN_CASES:
+    for name, _stem, replicas, m, steps, options in GOLDEN_CASES:
         a = get_schedule(name).build(replicas, m, steps, **options)
         assert a.to_csv() == build_schedule(name, replicas, m, steps, **options).to_csv()
 
@@ -435,7 +445,7 @@ def test_stages_and_ranks() -> None:
         assert spec.rank_replicas([2, 1, 1], {}) == [2, 1, 1]
     assert get_schedule("dp").ranks_needed([4], {}) == 4
     # ranks_needed agrees with the schedules the specs build
-    for name, stem, replicas, m, steps, options in GOLDEN_CASES:
+    for name, _stem, replicas, m, steps, options in GOLDEN_CASES:
         s = get_schedule(name).build(replicas, m, steps, **options)
         assert get_schedule(name).ranks_needed(replicas, options) == s.num_workers
         assert get_schedule(name).model_stages(len(get_schedule(name).rank_replicas(replicas, options)),

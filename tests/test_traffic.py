@@ -10,8 +10,18 @@ import pytest
 
 from pipetrain.errors import PlanError
 from pipetrain.plan.traffic import (
-    KINDS, CutBytes, ReduceBuffer, Traffic, bytes_per_sample, plan_cut_bytes, plan_stage_param_bytes,
-    plan_traffic, predict_traffic, ring_allreduce_bytes, schedule_units, total_traffic,
+    KINDS,
+    CutBytes,
+    ReduceBuffer,
+    Traffic,
+    bytes_per_sample,
+    plan_cut_bytes,
+    plan_stage_param_bytes,
+    plan_traffic,
+    predict_traffic,
+    ring_allreduce_bytes,
+    schedule_units,
+    total_traffic,
 )
 from pipetrain.plan.types import Plan, Stage
 from pipetrain.profile.types import NodeProfile, Profile

@@ -27,19 +27,14 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import socket
 import subprocess
 import sys
-import time
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
+from dist_harness import launch
 
 from pipetrain.errors import RuntimeConfigError
 from pipetrain.graph import capture
@@ -64,7 +59,6 @@ from pipetrain.schedule.action import Op, Schedule
 
 pytestmark = pytest.mark.timeout(240)
 
-TIMEOUT_S = 90.0
 MLP = dict(TINY_OPTIONS["mlp"], depth=4)
 
 
@@ -191,59 +185,22 @@ def _execute(comm: Comm, actions: list[Any], numels: list[list[tuple[torch.dtype
                 comm.sum_over_ranks(1.0)
 
 
-def _comm_worker(rank: int, world: int, port: int, out: str, payloads: list[dict[str, Any]]) -> None:
+def _comm_worker(rank: int, world: int, out: Path, payloads: list[dict[str, Any]]) -> None:
     """Every job in turn on one gloo group, each through a fresh ``Comm`` (its own subgroups)."""
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=60))
-        try:
-            for j, payload in enumerate(payloads):
-                scheds: list[Schedule] = payload["schedules"]
-                comm = Comm(rank, scheds[0], payload["codecs"], torch.device("cpu"), 60.0,
-                            global_clip=payload["clip"])
-                for s in scheds:
-                    _execute(comm, s.workers[rank], payload["numels"], payload["clip"])
-                    comm.finish(60.0)
-                Path(out, f"traffic_{j}_{rank}.json").write_text(json.dumps(comm.traffic.to_json()))
-        finally:
-            dist.destroy_process_group()
-    except BaseException:
-        Path(out, f"error_{rank}.txt").write_text(traceback.format_exc())
-        raise
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    for j, payload in enumerate(payloads):
+        scheds: list[Schedule] = payload["schedules"]
+        comm = Comm(rank, scheds[0], payload["codecs"], torch.device("cpu"), 60.0, global_clip=payload["clip"])
+        for s in scheds:
+            _execute(comm, s.workers[rank], payload["numels"], payload["clip"])
+            comm.finish(60.0)
+        (out / f"traffic_{j}_{rank}.json").write_text(json.dumps(comm.traffic.to_json()))
 
 
 def _launch(jobs: list[_Job], out: Path) -> list[dict[int, Traffic]]:
     """Run the harness for ``jobs`` (one world size) on gloo ranks; fail (never hang) on error."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["pipetrain.runtime.comm"])
     out.mkdir()
-    port = _free_port()
     world = jobs[0].world
-    payloads = [j.payload() for j in jobs]
-    procs = [ctx.Process(target=_comm_worker, args=(r, world, port, str(out), payloads), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-    finally:
-        hung = [i for i, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join(5)
-    errors = [f.read_text() for f in sorted(out.glob("error_*.txt"))]
-    assert not hung, f"ranks {hung} did not finish in {TIMEOUT_S} s; errors: {errors}"
-    assert all(p.exitcode == 0 for p in procs), f"exit codes {[p.exitcode for p in procs]}; errors: {errors}"
+    launch(_comm_worker, world, out, [j.payload() for j in jobs], preload=["pipetrain.runtime.comm"])
     return [{r: Traffic.from_json(json.loads((out / f"traffic_{j}_{r}.json").read_text())) for r in range(world)}
             for j in range(len(jobs))]
 

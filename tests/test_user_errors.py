@@ -20,7 +20,11 @@ from torch import nn
 import pipetrain as pt
 from pipetrain.cli import main
 from pipetrain.errors import (
-    ModelError, PipetrainError, PlanError, ProfileError, ScheduleError,
+    ModelError,
+    PipetrainError,
+    PlanError,
+    ProfileError,
+    ScheduleError,
 )
 from pipetrain.plan.types import Level, Plan, Topology
 from pipetrain.profile.io import load_profile, save_profile
@@ -341,4 +345,5 @@ def test_errors_are_value_errors() -> None:
 
 def test_simulate_virtual_stages_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     cli_error(["simulate", "--stages", "2", "--microbatches", "4", "--forward-time", "1", "--backward-time", "2",
-               "--schedule", "interleaved", "--virtual-stages", "0"], capsys, r"--virtual-stages must be >= 1 \(got 0\)")
+               "--schedule", "interleaved", "--virtual-stages", "0"],
+              capsys, r"--virtual-stages must be >= 1 \(got 0\)")

@@ -9,6 +9,7 @@ from typing import Any
 
 from bench_models import BenchModel
 from timing import timed_loop
+
 from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
 
 

@@ -20,7 +20,8 @@ from processes import run_group
 from timing import Measurement
 
 # JSON keys of the CLI that are copied into the benchmark output when present.
-_PASSTHROUGH = re.compile(r"mem|rss|peak|predict|stash|version|warmup|seconds|steady|final_loss|steps|plan|config|stage|bytes")
+_PASSTHROUGH = re.compile(r"mem|rss|peak|predict|stash|version|warmup|seconds|steady|final_loss|steps|plan|config"
+                          r"|stage|bytes")
 
 
 def default_cli() -> str:
@@ -50,14 +51,20 @@ def parse_json_output(stdout: str) -> dict[str, Any] | None:
 
 def command(cli: str, model_spec: str, schedule: str | None, workers: int, config: str | None,
             batch_size: int, microbatches: int, steps: int, warmup: int, seed: int,
-            timeout_s: float | None = None, cut: list[str] | None = None) -> list[str]:
+            timeout_s: float | None = None, cut: list[str] | None = None, measure_memory: bool = False,
+            plan: str | None = None) -> list[str]:
     """The ``pipetrain train`` command line of one configuration (``schedule`` None: ``auto``,
-    the planner's choice: no schedule, microbatches, config or cut given)."""
+    the planner's choice: no schedule, microbatches, config or cut given). ``measure_memory``:
+    the tensor ledger (a separate run; it slows the timed ones); ``plan``: a plan file."""
     cmd = [cli, "train", "--model", model_spec, "--workers", str(workers), "--batch-size", str(batch_size)]
     if schedule is not None:
         cmd += ["--schedule", schedule, "--microbatches", str(microbatches)]
     cmd += ["--steps", str(steps), "--warmup-steps", str(warmup),
-            "--seed", str(seed), "--log-every", "0", "--threads", "1", "--json", "--measure-memory"]
+            "--seed", str(seed), "--log-every", "0", "--threads", "1", "--json"]
+    if measure_memory:
+        cmd += ["--measure-memory"]
+    if plan:
+        cmd += ["--plan", plan]
     if config:
         cmd += ["--config", config]
     if cut:  # the harness's cut, so every configuration trains the same stages
@@ -69,10 +76,11 @@ def command(cli: str, model_spec: str, schedule: str | None, workers: int, confi
 
 def run_pipetrain(cli: str, model_spec: str, schedule: str | None, workers: int, config: str | None,
                   batch_size: int, microbatches: int, steps: int, warmup: int, seed: int,
-                  timeout_s: float, cut: list[str] | None = None) -> Measurement:
+                  timeout_s: float, cut: list[str] | None = None, measure_memory: bool = False,
+                  plan: str | None = None) -> Measurement:
     """One ``pipetrain train`` run: its samples/s, or why there is none."""
     cmd = command(cli, model_spec, schedule, workers, config, batch_size, microbatches, steps, warmup, seed,
-                  timeout_s, cut)
+                  timeout_s, cut, measure_memory, plan)
     (res,) = run_group([cmd], timeout_s)
     obj = parse_json_output(res.stdout)
     if res.returncode != 0 or obj is None:
@@ -87,7 +95,8 @@ def run_pipetrain(cli: str, model_spec: str, schedule: str | None, workers: int,
              if _PASSTHROUGH.search(k) and k not in ("samples_per_second", "warmup_losses")}
     extra.update(chosen=chosen_configuration(obj))
     extra.update(command=" ".join(cmd), cut=cut, peak_scope=obj.get("peak_rss_scope", "process"),
-                 memory_source="pipetrain JSON" if mem else "sampled VmHWM of every process of the launch (launcher + workers)")
+                 memory_source="pipetrain JSON" if mem
+                 else "sampled VmHWM of every process of the launch (launcher + workers)")
     return Measurement(float(sps), "ok", "", mem or res.tree_peaks_mib, extra)
 
 

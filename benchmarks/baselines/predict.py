@@ -4,10 +4,11 @@ For the harness's split, each stage's :class:`pipetrain.simulate.StageCost` gets
 ``parameter_bytes`` (one weight version; the simulator also counts one gradient of that
 size), ``optimizer_bytes`` 0 (plain SGD keeps no state) and ``activation_bytes`` (the bytes
 autograd saves for backward in one unit's forward, loss included on the last stage, the
-stage's own weights left out, measured with ``torch.autograd.graph.saved_tensors_hooks``). ``pipetrain.simulate.simulate`` then runs the
-schedule (``get_schedule(name).build([1, 1], m, steps)``, forward 1 and backward 2 time units
-per stage: only the order of actions matters here) and returns each worker's peak: the
-weights' gradient, the live weight versions and the units in flight.
+stage's own weights left out, measured with ``torch.autograd.graph.saved_tensors_hooks``).
+``pipetrain.simulate.simulate`` then runs the schedule (``get_schedule(name).build([1, 1], m, steps)``,
+forward 1 and backward 2 time units per stage: only the order of actions matters here) and
+returns each worker's peak: the weights' gradient, the live weight versions and the units in
+flight.
 
 The prediction is model state only; the measured peak RSS also holds the torch runtime (the
 RSS after ``import torch``, reported beside it), the minibatch, communication buffers and
@@ -15,7 +16,8 @@ allocator slack. The orchestrator calls this once per model before the first rou
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from bench_models import BenchModel, split_stages
 
@@ -54,6 +56,7 @@ def saved_bytes(stage: Any, inputs: tuple[Any, ...], loss: Any = None, target: A
 def stage_costs(bm: BenchModel, cuts: Sequence[int], units: int, seed: int = 0) -> list[Any]:
     """One ``StageCost`` per stage for units of ``batch / units`` samples."""
     import torch
+
     from pipetrain.simulate import StageCost
 
     stages = split_stages(bm.layers, len(cuts) + 1, cuts)
@@ -80,10 +83,8 @@ def predict(bm: BenchModel, cuts: Sequence[int], kind: str, schedule: str,
 
     ``cache`` (unit count -> stage costs) saves re-measuring the same unit size.
     """
-    from pipetrain.schedule import get_schedule
+    from pipetrain.schedule import SCHEDULE_NAMES, get_schedule
     from pipetrain.simulate import StageCosts, simulate
-
-    from pipetrain.schedule import SCHEDULE_NAMES
 
     if kind == "torch_pipe":
         spec = get_schedule(TORCH_AS_PIPETRAIN[schedule])

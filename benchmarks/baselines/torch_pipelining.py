@@ -19,6 +19,7 @@ from typing import Any
 
 from bench_models import BenchModel, split_stages
 from timing import timed_loop
+
 from baselines.local import stage_activations
 from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
 
@@ -60,7 +61,7 @@ def run_torch_pipe(spec: dict[str, Any], bm: BenchModel) -> dict[str, Any]:
         elif is_last:
             losses: list[Any] = []
             sched.step(target=target, losses=losses, return_outputs=False)
-            last[0] = float(torch.stack([l.detach() for l in losses]).mean())
+            last[0] = float(torch.stack([loss.detach() for loss in losses]).mean())
         else:
             sched.step(return_outputs=False)
         opt.step()

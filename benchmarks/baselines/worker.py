@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 from bench_models import BenchModel, build_bench_model
 from processes import emit_result

@@ -52,7 +52,7 @@ from .retention import TMP_SUFFIX, prune
 from .state import RankState, RankSummary, flatten, model_key, optim_key, rank_key, stash_key
 
 __all__ = ["save_checkpoint_dir", "load_for_rank", "RankLoad", "load_rank_extras", "read_state_dict",
-           "load_into_model", "export_state_dict"]
+           "load_into_model", "export_state_dict", "atomic_torch_save"]
 
 
 # --------------------------------------------------------------------------- saving
@@ -324,18 +324,23 @@ def load_into_model(path: str | Path, model: nn.Module, strict: bool = True) -> 
 def export_state_dict(path: str | Path, out_file: str | Path) -> Path:
     """Write the checkpoint's model state as one ``torch.save`` file of a plain ``{name: tensor}``
     dict (atomically), loadable with ``model.load_state_dict(torch.load(out_file))``."""
-    sd = read_state_dict(path)
     out = Path(out_file)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=out.name + ".", suffix=TMP_SUFFIX, dir=str(out.parent))
+    atomic_torch_save(read_state_dict(path), out)
+    return out
+
+
+def atomic_torch_save(obj: Any, path: Path) -> None:
+    """``torch.save(obj)`` to ``path`` atomically: into a temporary file next to it (``PATH.XXXX.tmp``,
+    removed on failure), then ``os.replace``; creates ``path``'s folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=TMP_SUFFIX, dir=str(path.parent))
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(sd, f)
-        os.replace(tmp, out)
+            torch.save(obj, f)
+        os.replace(tmp, path)
     except BaseException:
         try:
             os.unlink(tmp)
         except OSError:
             pass
         raise
-    return out

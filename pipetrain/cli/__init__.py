@@ -41,7 +41,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     reopen_closed_std_fds()  # before any socket: under torchrun too, descriptors pass to workers
-    parser = build_parser()
+    return dispatch(build_parser(), argv)
+
+
+def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse ``argv`` with ``parser`` (subparsers registered by ``NAME_cmd.register``) and run
+    the chosen subcommand's ``func``: its exit code. No subcommand: the help, exit 2; a
+    PipetrainError: one line ``error: ...``, exit 2; Ctrl-C: exit 130; output piped into a
+    reader that closed early: exit 0. Used by :func:`main` and ``python -m pipetrain.cluster``."""
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

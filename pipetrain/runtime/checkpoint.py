@@ -26,8 +26,6 @@ uninterrupted run; asynchronous schedules restart their pipeline, i.e. drain at 
 """
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..checkpoint.store import atomic_torch_save
 from ..errors import RuntimeConfigError
 
 __all__ = ["TrainerState", "save_checkpoint", "save_final", "load_checkpoint", "trainer_path", "parts_dir",
@@ -62,29 +61,14 @@ class TrainerState:
     stage_steps: dict[str, int]
 
 
-def _atomic_save(obj: Any, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-
-
 def save_checkpoint(path: str | Path, state_dict: Mapping[str, Tensor], trainer: TrainerState) -> None:
     """Write ``PATH`` (the state_dict) and ``PATH.trainer``, each atomically."""
     path = Path(path)
-    _atomic_save({k: v.detach().cpu() for k, v in state_dict.items()}, path)
-    _atomic_save({"format": FORMAT, "version": VERSION, "step": trainer.step, "model": trainer.model,
-                  "model_options": dict(trainer.model_options), "optimizer": dict(trainer.optimizer),
-                  "optimizer_state": trainer.optimizer_state, "stage_steps": dict(trainer.stage_steps)},
-                 trainer_path(path))
+    atomic_torch_save({k: v.detach().cpu() for k, v in state_dict.items()}, path)
+    atomic_torch_save({"format": FORMAT, "version": VERSION, "step": trainer.step, "model": trainer.model,
+                       "model_options": dict(trainer.model_options), "optimizer": dict(trainer.optimizer),
+                       "optimizer_state": trainer.optimizer_state, "stage_steps": dict(trainer.stage_steps)},
+                      trainer_path(path))
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], TrainerState]:
@@ -154,11 +138,11 @@ def save_final(view: Any, path: str | Path, step: int, original_keys: list[str])
         missing = [k for k in original_keys if k not in sd]
         if missing:
             raise RuntimeError(f"the saved parts {ck} lack {len(missing)} tensors of the model (first {missing[0]!r})")
-        _atomic_save({k: sd[k] for k in original_keys}, path)
+        atomic_torch_save({k: sd[k] for k in original_keys}, path)
         cfg = view.run.config
-        _atomic_save({"format": FORMAT, "version": 2, "step": step, "model": cfg.model.name,
-                      "model_options": dict(cfg.model.options), "optimizer": cfg.to_dict()["optimizer"],
-                      "checkpoint": os.path.relpath(ck, path.parent)}, trainer_path(path))
+        atomic_torch_save({"format": FORMAT, "version": 2, "step": step, "model": cfg.model.name,
+                           "model_options": dict(cfg.model.options), "optimizer": cfg.to_dict()["optimizer"],
+                           "checkpoint": os.path.relpath(ck, path.parent)}, trainer_path(path))
     return path
 
 
