@@ -118,7 +118,7 @@ def test_the_train_command_leaves_the_schedule_open_only_when_nothing_fixes_it()
     add_config_arguments(p)
 
     def auto(*argv: str) -> bool:
-        return config_from_args(p.parse_args(list(argv))).parallel.auto
+        return config_from_args(p.parse_args(list(argv)), open_schedule=True).parallel.auto
 
     assert auto("--workers", "2")
     assert auto("--workers", "2", "--microbatches", "4")
@@ -127,6 +127,8 @@ def test_the_train_command_leaves_the_schedule_open_only_when_nothing_fixes_it()
     assert not auto("--workers", "2", "--vertical-sync")
     assert not auto()                                   # one worker: nothing to choose
     assert auto("--schedule", "auto", "--workers", "2")
+    # other commands sharing the parser (compare sets each row's schedule) keep the default
+    assert not config_from_args(p.parse_args(["--workers", "2"])).parallel.auto
 
 
 def test_a_run_with_schedule_auto_trains_the_choice_and_reports_it(tmp_path: Path) -> None:

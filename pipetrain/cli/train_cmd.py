@@ -68,8 +68,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
             target.add_argument(fl.flag, **kw)
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    """The :class:`TrainConfig` of parsed arguments (raises RuntimeConfigError on bad values)."""
+def config_from_args(args: argparse.Namespace, open_schedule: bool = False) -> TrainConfig:
+    """The :class:`TrainConfig` of parsed arguments (raises RuntimeConfigError on bad values).
+
+    ``open_schedule`` (``pipetrain train``): a schedule left open is the planner's to choose
+    (``--schedule auto``, :func:`_schedule_open`); other commands (``compare``, which sets the
+    schedule of each row itself) keep the default."""
     values: dict[str, Any] = {}
     for cls in SECTIONS.values():
         for _, fl in settings(cls):
@@ -83,7 +87,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         raise RuntimeConfigError(
             f"give --steps or --epochs, not both (got --steps {values['steps']} and --epochs {values['epochs']}): "
             f"--epochs sets the steps to epochs * (train samples // batch size)")
-    if _schedule_open(values):
+    if open_schedule and _schedule_open(values):
         values["schedule"] = AUTO
     return TrainConfig.of(**values)
 
@@ -117,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from ..run.launcher import train, under_torchrun
     from ..runtime.failures import WorkerFailure
 
-    cfg = config_from_args(args)
+    cfg = config_from_args(args, open_schedule=True)
     if not cfg.output.quiet:
         setup_logging(cfg.output.progress_to_stderr)
     try:
