@@ -339,3 +339,24 @@ def test_user_error_in_a_worker_is_reported_as_the_message_alone() -> None:
     err = p.stderr.strip().splitlines()
     assert err[-1].startswith("error: mlp option 'depth' must be an integer >= 1"), p.stderr
     assert "Traceback" not in p.stderr and "rank" not in err[-1]
+
+
+def test_the_resource_trackers_leak_warning_is_silenced_and_only_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker that fails can leave semaphores registered; Python's resource tracker then
+    warns after the CLI's error line (seen once in a full-suite run). The CLI silences that
+    warning only, keeping the user's own PYTHONWARNINGS filters."""
+    from pipetrain.cli import QUIET_RESOURCE_TRACKER, quiet_resource_tracker
+
+    leak = "import multiprocessing as mp, os\ns = mp.get_context('spawn').Semaphore()\nos._exit(0)"
+
+    def warned(env: dict[str, str]) -> bool:
+        p = subprocess.run([sys.executable, "-c", leak], env=env, capture_output=True, text=True, timeout=60)
+        return "leaked semaphore" in p.stderr
+
+    base = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    assert warned(base)  # the warning this guards against exists
+    monkeypatch.setenv("PYTHONWARNINGS", "error::DeprecationWarning")
+    quiet_resource_tracker()
+    quiet_resource_tracker()  # idempotent
+    assert os.environ["PYTHONWARNINGS"] == f"error::DeprecationWarning,{QUIET_RESOURCE_TRACKER}"
+    assert not warned(dict(base, PYTHONWARNINGS=os.environ["PYTHONWARNINGS"]))

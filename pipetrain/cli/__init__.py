@@ -39,8 +39,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+#: Python's resource tracker warns, after the process has exited, about semaphores still
+#: registered: torch elastic's process context leaves some when a worker fails, and the
+#: tracker (which does clean them up) then prints a warning after the CLI's one error line.
+QUIET_RESOURCE_TRACKER = "ignore:resource_tracker:UserWarning"
+
+
+def quiet_resource_tracker() -> None:
+    """Silence only the resource tracker's leak warning, in the tracker this process will start
+    (``PYTHONWARNINGS`` is read by the tracker process; other warning filters are kept)."""
+    current = os.environ.get("PYTHONWARNINGS", "")
+    if QUIET_RESOURCE_TRACKER not in current.split(","):
+        os.environ["PYTHONWARNINGS"] = f"{current},{QUIET_RESOURCE_TRACKER}" if current else QUIET_RESOURCE_TRACKER
+
+
 def main(argv: list[str] | None = None) -> int:
     reopen_closed_std_fds()  # before any socket: under torchrun too, descriptors pass to workers
+    quiet_resource_tracker()  # before any semaphore: the error line stays the last line
     return dispatch(build_parser(), argv)
 
 
