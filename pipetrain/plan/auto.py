@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from .types import Plan
@@ -87,7 +87,6 @@ class AutoChoice:
     candidates: list[Candidate]
     costs: str                            # one line: where the communication costs came from
     seconds: float = 0.0                  # time spent choosing
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def note(self) -> str:
         """The run's plan source line."""
