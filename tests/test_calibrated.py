@@ -174,7 +174,7 @@ def test_plan_cli_with_calibration(tmp_path: Path) -> None:
     cal = make_cal(50 * MBIT)
     cal.save(cal_path)
     cmd = [sys.executable, "-m", "pipetrain", "plan", str(prof_path), "--workers", "2", "--calibration", str(cal_path),
-           "--json"]
+           "--schedule", "pipedream", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)

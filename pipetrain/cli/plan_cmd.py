@@ -5,10 +5,20 @@ Examples::
     pipetrain plan tests/data/profiles/vgg16.txt --workers 16 --bandwidth 10Gbit --cost-model pipedream
     pipetrain plan model.json --workers 4,4 --bandwidth 300e9,1.25e9 --compare
     pipetrain plan model.json --workers 8 --memory 16GB --json --output plan.json
-    pipetrain plan model.json --workers 2 --calibration cal.json     # measured link costs
+    pipetrain plan model.json --workers 2 --calibration cal.json     # measured costs: schedule chosen too
+    pipetrain plan model.json --workers 2 --calibration cal.json --schedule pipedream   # PipeDream's plan only
 
 The plan is printed (a table, or one JSON object with ``--json``); it is written to a file
 only when ``--output`` is given.
+
+With measured link costs (``--calibration``) and no ``--schedule``, ``--microbatches``,
+``--straight`` or ``--stages``, the planner also chooses the schedule and the microbatches
+(:func:`pipetrain.plan.auto.choose_on_profile`, as ``train --schedule auto`` does on a profile
+measured there): data parallelism, straight and replicated pipelines under every schedule the
+registry marks ``auto``, each simulated on the calibrated costs; the fastest is printed with
+its predicted time per minibatch and every other candidate. ``--schedule auto`` asks for it
+explicitly. Without a calibration the plan is PipeDream's (section 3.1) for ``--schedule``
+(default pipedream), on the bandwidths given.
 """
 from __future__ import annotations
 
@@ -47,9 +57,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stages", type=int, default=None, metavar="K", help="use exactly K stages (flat topologies)")
     p.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
                    help=f"cost model (default {DEFAULT_COST_MODEL})")
-    p.add_argument("--schedule", default="pipedream", choices=SCHEDULES,
-                   help="schedule whose memory rule --memory checks")
-    p.add_argument("--microbatches", type=int, default=1, help="microbatches per minibatch (flush/2bw/gpipe memory)")
+    p.add_argument("--schedule", default=None, choices=(*SCHEDULES, "auto"),
+                   help="schedule whose memory rule --memory checks (default pipedream); 'auto' (the default with "
+                        "--calibration): choose the schedule and microbatches too")
+    p.add_argument("--microbatches", type=int, default=None,
+                   help="microbatches per minibatch (flush/2bw/gpipe memory; default 1, or chosen under auto)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per minibatch (default: the profile's)")
     p.add_argument("--max-states", type=int, default=2048, help="most DAG states before coarsening (default 2048)")
     p.add_argument("--compare", action="store_true",
@@ -112,6 +124,68 @@ def _summary(p: Plan) -> dict[str, Any]:
             "stages": [{"nodes": s.nodes, "replicas": s.replicas} for s in p.stages]}
 
 
+def _is_auto(args: argparse.Namespace) -> bool:
+    """Whether the schedule and microbatches are chosen too (module docstring)."""
+    if args.schedule == "auto":
+        for flag, given in (("--straight", args.straight), ("--stages", args.stages is not None)):
+            if given:
+                raise PlanError(f"--schedule auto chooses the stages and replicas itself, but {flag} was given; "
+                                f"drop {flag}, or name a schedule")
+        if args.calibration is None:
+            raise PlanError("--schedule auto compares configurations on measured link costs: pass --calibration FILE "
+                            "(from `pipetrain calibrate --output FILE`) or --calibration measure")
+        return True
+    return (args.schedule is None and args.calibration is not None and args.microbatches is None
+            and not args.straight and args.stages is None)
+
+
+def _choose(args: argparse.Namespace, profile: Any) -> tuple[Plan, Any, Topology, PlanOptions]:
+    """The automatic choice on the profile: its plan (with the choice in ``extra["auto"]``),
+    the choice, and the calibrated topology and options (for ``--compare``)."""
+    from ..plan.auto import choose_on_profile
+    from ..plan.calibrated import MEASURE, calibrated_topology, resolve_calibration
+
+    levels = [w for w in str(args.workers).replace("x", ",").split(",") if w.strip()]
+    if len(levels) != 1 or not levels[0].strip().isdigit():
+        raise PlanError(f"--schedule auto plans on one flat level of workers, but --workers is {args.workers!r}; "
+                        f"give one count, e.g. --workers 2")
+    if args.bandwidth is not None:
+        raise PlanError(f"--calibration sets the bandwidth from measurements, but --bandwidth {args.bandwidth} was "
+                        f"given too; drop one of them")
+    if args.cost_model != "pipetrain":
+        raise PlanError(f"--schedule auto predicts on the pipetrain cost model's calibrated constants, but "
+                        f"--cost-model is {args.cost_model}; drop --cost-model or name a schedule")
+    workers = int(levels[0])
+    memory = parse_topology("1", "1", args.memory).memory_per_worker
+    if str(args.calibration) == MEASURE and workers >= 2:
+        from ..cluster.calibrate import calibrate
+
+        cal: Any = calibrate(None, ranks=workers)   # all-reduce measured at this run's rank count
+    else:
+        cal = resolve_calibration(args.calibration)
+    choice = choose_on_profile(profile, workers, cal, microbatches=args.microbatches, memory_limit=memory,
+                               max_states=args.max_states)
+    result = choice.best.plan
+    assert result is not None and cal is not None  # the best candidate is runnable, so planned
+    result.extra["auto"] = choice.to_json()
+    from ..plan.calibrated import calibration_summary
+
+    result.extra["calibration"] = calibration_summary(cal)
+    from ..plan.calibrated import calibrated_params
+
+    options = PlanOptions(cost_model=args.cost_model, max_states=args.max_states, cost_params=calibrated_params(cal))
+    return result, choice, calibrated_topology(cal, workers), options
+
+
+def _simulated_data_parallel(choice: Any) -> float | None:
+    """The data-parallel candidate's simulated time per minibatch, if one was runnable."""
+    if choice is None:
+        return None
+    from ..schedule import get_schedule
+
+    return next((c.predicted_time for c in choice.runnable if get_schedule(c.schedule).one_stage), None)
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan ``PROFILE`` on the given topology, print the plan (table or JSON), optionally save it."""
     profile = load_profile(args.profile)
@@ -119,15 +193,20 @@ def run(args: argparse.Namespace) -> int:
         if args.batch_size <= 0:
             raise PlanError(f"--batch-size {args.batch_size} must be positive")
         profile.batch_size = args.batch_size
-    options = PlanOptions(straight=args.straight, cost_model=args.cost_model, num_stages=args.stages,
-                          schedule=args.schedule, microbatches=args.microbatches, max_states=args.max_states)
-    if args.calibration is not None:
-        topology, options = _calibrated(args, options)
+    choice = None
+    if _is_auto(args):
+        result, choice, topology, options = _choose(args, profile)
     else:
-        topology = _topology(args)
-    result = plan(profile, topology, options)
+        options = PlanOptions(straight=args.straight, cost_model=args.cost_model, num_stages=args.stages,
+                              schedule=args.schedule or "pipedream", microbatches=args.microbatches or 1,
+                              max_states=args.max_states)
+        if args.calibration is not None:
+            topology, options = _calibrated(args, options)
+        else:
+            topology = _topology(args)
+        result = plan(profile, topology, options)
     result.batch_size = profile.batch_size
-    if args.calibration is not None:
+    if args.calibration is not None and choice is None:
         from ..plan.calibrated import calibration_summary
 
         result.extra["calibration"] = calibration_summary(args.calibration_loaded)  # set by _calibrated
@@ -137,13 +216,16 @@ def run(args: argparse.Namespace) -> int:
         result.extra["profile_path"] = os.path.relpath(os.path.abspath(args.profile),
                                                        os.path.dirname(os.path.abspath(args.output)))
         result.save(args.output)
-    t = result.predicted_time or math.inf
+    t = (choice.best.predicted_time if choice is not None else result.predicted_time) or math.inf
     throughput = {"minibatches_per_second": 1.0 / t if t > 0 else math.inf,
                   "samples_per_second": profile.batch_size / t if profile.batch_size and t > 0 else None}
     if args.json:
         d = result.to_dict()
         d["throughput"] = throughput
         d["num_workers"] = result.num_workers
+        if choice is not None:
+            d["schedule"], d["microbatches"] = choice.best.schedule, choice.best.microbatches
+            d["predicted_time_per_minibatch"] = choice.best.predicted_time
         if args.compare:
             d["baselines"] = {name: _summary(b) for name, b in base.items()}
         json.dump(d, sys.stdout)
@@ -159,16 +241,30 @@ def run(args: argparse.Namespace) -> int:
               f"{_bytes(s.memory_bytes):>13}")
     idle = result.extra.get("idle_workers")
     print(f"config: {result.config}" + (f"  ({result.extra['idle_workers']} workers idle)" if idle else ""))
-    print(f"predicted time per minibatch: {_ms(result.predicted_time)}")
+    if choice is not None:
+        from ..plan.auto import summary_lines
+
+        print("\n".join(summary_lines(choice)))
+        print(f"predicted time per minibatch: {_ms(choice.best.predicted_time)} ({choice.best.schedule} "
+              f"m={choice.best.microbatches}, simulated; the planner's cost model for these stages: "
+              f"{_ms(result.predicted_time)})")
+    else:
+        print(f"predicted time per minibatch: {_ms(result.predicted_time)}")
     line = f"throughput: {throughput['minibatches_per_second']:.3f} minibatches/s"
     if throughput["samples_per_second"] is not None:
         line += f", {throughput['samples_per_second']:.1f} samples/s"
     print(line)
     sp = result.speedup_over_data_parallel
-    print(f"data parallelism: {_ms(result.data_parallel_time)} per minibatch; speedup {sp:.3f}x"
-          if sp else "data parallelism: -")
-    st = result.extra["states"]
-    print(f"solved in {result.solve_seconds:.3f} s ({st['count']} states, {st['mode']})")
+    dp = _simulated_data_parallel(choice)
+    if dp is not None and choice is not None and choice.best.predicted_time:
+        print(f"data parallelism (simulated as above): {_ms(dp)} per minibatch; the choice is "
+              f"{dp / choice.best.predicted_time:.3f}x faster")
+    else:
+        print(f"data parallelism: {_ms(result.data_parallel_time)} per minibatch; speedup {sp:.3f}x"
+              if sp else "data parallelism: -")
+    st = result.extra.get("states")
+    if st is not None:
+        print(f"solved in {result.solve_seconds:.3f} s ({st['count']} states, {st['mode']})")
     if args.compare:
         print()
         print(f"{'method':<14} {'config':<24} {'time/minibatch':>15} {'speedup vs DP':>14}")
@@ -178,6 +274,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"{name:<14} {cfg:<24} {_ms(b.predicted_time):>15} {b.speedup_over_data_parallel or 0:>13.3f}x")
     if args.output:
         print(f"plan written to {args.output}")
+        if choice is not None:
+            print(f"train it with: pipetrain train --plan {args.output} --schedule {choice.best.schedule} "
+                  f"--microbatches {choice.best.microbatches}")
     return 0
 
 

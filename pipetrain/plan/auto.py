@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from ..graph.capture import CapturedModel
     from ..profile.types import Profile
 
-__all__ = ["Candidate", "AutoChoice", "choose", "microbatch_candidates", "scale_profile"]
+__all__ = ["Candidate", "AutoChoice", "choose", "choose_on_profile", "microbatch_candidates", "scale_profile"]
 
 #: A function giving the captured model and one unit of inputs at ``samples`` samples.
 ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
@@ -76,7 +76,9 @@ class Candidate:
     def line(self) -> str:
         if self.predicted_time is None:
             return f"{self.schedule} m={self.microbatches}: not runnable ({self.why_not})"
-        return f"{self.schedule} m={self.microbatches} {self.config}: {self.predicted_time * 1e3:.2f} ms"
+        idle = self.plan.extra.get("idle_workers") if self.plan is not None else None
+        return (f"{self.schedule} m={self.microbatches} {self.config}: {self.predicted_time * 1e3:.2f} ms"
+                + (f" ({idle} workers idle)" if idle else ""))
 
 
 @dataclass
@@ -87,6 +89,7 @@ class AutoChoice:
     candidates: list[Candidate]
     costs: str                            # one line: where the communication costs came from
     seconds: float = 0.0                  # time spent choosing
+    compute: str = "a profile here"       # where the compute costs came from
 
     def note(self) -> str:
         """The run's plan source line."""
@@ -94,8 +97,8 @@ class AutoChoice:
         if b.predicted_time is None:
             return "auto"
         return (f"auto: {b.schedule} m={b.microbatches} on {b.config}, predicted {b.predicted_time * 1e3:.2f} ms "
-                f"per minibatch (fastest of {len(self.runnable)} configurations on {self.costs} and a profile "
-                f"here; chosen in {self.seconds:.1f} s)")
+                f"per minibatch (fastest of {len(self.runnable)} configurations on {self.costs} and "
+                f"{self.compute}; chosen in {self.seconds:.1f} s)")
 
     @property
     def runnable(self) -> list[Candidate]:
@@ -206,11 +209,9 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     """
     from ..errors import PlanError
     from ..profile.profiler import profile_captured
-    from ..schedule import SCHEDULES, get_schedule
     from .api import PlanOptions
     from .calibrated import plan_with_calibration, predict_run, resolve_calibration
     from .cuts import split_by_config
-    from .memory import SCHEDULES as MEMORY_RULES
     from .stage_timing import refine_profile, stage_seconds
 
     t0 = time.monotonic()
@@ -223,7 +224,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
 
         cal = calibrate(None, ranks=workers)
     costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
-    names = list(schedules) if schedules is not None else [n for n, s in SCHEDULES.items() if s.auto]
+    names = list(schedules) if schedules is not None else _auto_names()
     steps_of = _StepTimer(optimizer, momentum)
     units_cache: dict[int, tuple[Any, tuple[Any, ...], Profile]] = {}
 
@@ -235,49 +236,154 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             units_cache[samples] = (captured, tuple(inputs), prof)
         return units_cache[samples]
 
+    def evaluate(name: str, spec: Any, m: int) -> Candidate:
+        units = 1 if spec.unit == "minibatch" else m
+        captured, inputs, unit_prof = at(batch_size // units)
+        if spec.one_stage:
+            plan = split_by_config(captured, [workers], model_name, batch_size)
+        else:
+            opts = PlanOptions(schedule=memory_rule_of(name), microbatches=m, use_all_workers=True)
+
+            def plan_fn(p: Profile) -> Plan:
+                return plan_with_calibration(scale_profile(p, units, batch_size), workers, cal, opts)
+
+            plan = plan_fn(unit_prof)
+            lists = [list(s.nodes) for s in plan.stages]
+            if len(lists) > 1:  # stages timed as a whole correct the node sums; plan again once
+                unit_prof = refine_profile(unit_prof, lists, stage_seconds(captured.gm, inputs, lists, 2))
+                again = plan_fn(unit_prof)
+                plan = plan if _same(plan, again) else again
+        why = _runnable(spec, plan, m, workers)
+        if why is None and accept is not None:
+            why = accept(Candidate(name, m, plan, None), captured)
+        if why is not None:
+            return Candidate(name, m, plan, None, why)
+        step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
+        pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
+                           step_time=step_time)
+        return Candidate(name, m, plan, float(pred["time_per_minibatch"]))
+
+    out = _each(names, workers, batch_size, microbatches, evaluate)
+    return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0)
+
+
+def choose_on_profile(profile: Profile, workers: int, calibration: Any, *, microbatches: int | None = None,
+                      schedules: Sequence[str] | None = None, memory_limit: float | None = None,
+                      max_states: int = 2048) -> AutoChoice:
+    """The fastest configuration of a profiled model on ``workers`` ranks (``pipetrain plan``).
+
+    The same candidates, planner and simulator as :func:`choose`, on a given profile
+    (``profile.batch_size`` is the minibatch) instead of one measured here: a unit of
+    ``batch / m`` samples is taken to cost ``1/m`` of the minibatch (one profile cannot say
+    how per-node times change with the unit size; ``train --schedule auto`` profiles each), and
+    optimizer steps are not counted (a profile holds no step times). ``memory_limit`` (bytes
+    per worker) is checked with each schedule's own memory rule.
+
+    Raises:
+        PlanError: no batch size in the profile, fewer than 2 workers, or no candidate runnable.
+    """
+    from ..errors import PlanError
+    from .api import PlanOptions
+    from .baselines import data_parallel_plan
+    from .calibrated import (
+        calibrated_params,
+        calibrated_topology,
+        plan_with_calibration,
+        predict_run,
+        resolve_calibration,
+    )
+    from .memory import stage_memory
+
+    t0 = time.monotonic()
+    if workers < 2:
+        raise PlanError(f"the automatic choice compares parallel configurations; it needs 2 or more workers, "
+                        f"got {workers}")
+    if not profile.batch_size:
+        raise PlanError(f"profile of {profile.model!r} has no batch size; the automatic choice needs the minibatch "
+                        f"size: pass --batch-size")
+    cal = resolve_calibration(calibration)
+    if cal is None:
+        raise PlanError("the automatic choice needs measured link costs: pass --calibration FILE (from "
+                        "`pipetrain calibrate --output FILE`) or --calibration measure")
+    costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
+    names = list(schedules) if schedules is not None else _auto_names()
+    batch = int(profile.batch_size)
+
+    def evaluate(name: str, spec: Any, m: int) -> Candidate:
+        rule = memory_rule_of(name)
+        if spec.one_stage:
+            plan = data_parallel_plan(profile, calibrated_topology(cal, workers), "pipetrain",
+                                      calibrated_params(cal))
+            held = stage_memory(profile, plan, schedule=rule, microbatches=m)
+            if memory_limit is not None and max(held) > memory_limit:
+                return Candidate(name, m, plan, None, f"needs {max(held) / 2**30:.2f} GiB per worker, over the "
+                                                      f"{memory_limit / 2**30:.2f} GiB limit")
+        else:
+            opts = PlanOptions(schedule=rule, microbatches=m, use_all_workers=True, memory_limit=memory_limit,
+                               max_states=max_states)
+            plan = plan_with_calibration(profile, workers, cal, opts)
+        why = _runnable(spec, plan, m, workers, exact=False)  # a plan may leave workers idle (the DP's optimum)
+        if why is not None:
+            return Candidate(name, m, plan, None, why)
+        pred = predict_run(plan, profile, cal, name, microbatches=m)
+        return Candidate(name, m, plan, float(pred["time_per_minibatch"]))
+
+    out = _each(names, workers, batch, microbatches, evaluate)
+    return AutoChoice(_best(out, "pass --schedule instead, or raise --memory"), out, costs, time.monotonic() - t0,
+                      compute=f"the profile of {profile.model or 'the model'} (batch {batch})")
+
+
+def _auto_names() -> list[str]:
+    from ..schedule import SCHEDULES
+
+    return [n for n, s in SCHEDULES.items() if s.auto]
+
+
+def memory_rule_of(name: str) -> str:
+    """The planner's memory rule for schedule ``name``: its own, or (one without, such as
+    zerobubble or dp) the 1F1B rule's schedule."""
+    from ..schedule import SCHEDULES
+    from .memory import SCHEDULES as MEMORY_RULES
+
+    return name if name in MEMORY_RULES else next(
+        n for n in MEMORY_RULES if SCHEDULES[n].memory_rule == "one_f_one_b")
+
+
+def _runnable(spec: Any, plan: Plan, m: int, workers: int, exact: bool = True) -> str | None:
+    """Why ``plan`` cannot run ``spec`` at ``m`` on ``workers`` ranks (``exact``: all of them;
+    else at most), or None (building the schedule raises when ``m`` breaks its rules)."""
+    ranks = int(spec.ranks_needed(plan.replicas, {}))
+    if ranks != workers and (exact or ranks > workers):
+        return f"the plan {plan.config} does not use {workers} ranks"
+    spec.build(plan.replicas, m, int(spec.steps_period(plan.replicas)))
+    return None
+
+
+def _each(names: Sequence[str], workers: int, batch: int, microbatches: int | None,
+          evaluate: Callable[[str, Any, int], Candidate]) -> list[Candidate]:
+    """Every candidate (module docstring, 2) evaluated; one that cannot be planned or built is
+    kept with why."""
+    from ..schedule import get_schedule
+
     out: list[Candidate] = []
     for name in names:
         spec = get_schedule(name)
-        for m in microbatch_candidates(spec, workers, batch_size, microbatches):
-            units = 1 if spec.unit == "minibatch" else m
+        for m in microbatch_candidates(spec, workers, batch, microbatches):
             try:
-                captured, inputs, unit_prof = at(batch_size // units)
-                if spec.one_stage:
-                    plan = split_by_config(captured, [workers], model_name, batch_size)
-                else:
-                    rule = name if name in MEMORY_RULES else next(
-                        n for n in MEMORY_RULES if SCHEDULES[n].memory_rule == "one_f_one_b")
-                    opts = PlanOptions(schedule=rule, microbatches=m, use_all_workers=True)
-
-                    def plan_fn(p: Profile, opts: PlanOptions = opts, units: int = units) -> Plan:
-                        return plan_with_calibration(scale_profile(p, units, batch_size), workers, cal, opts)
-
-                    plan = plan_fn(unit_prof)
-                    lists = [list(s.nodes) for s in plan.stages]
-                    if len(lists) > 1:  # stages timed as a whole correct the node sums; plan again once
-                        unit_prof = refine_profile(unit_prof, lists, stage_seconds(captured.gm, inputs, lists, 2))
-                        again = plan_fn(unit_prof)
-                        plan = plan if _same(plan, again) else again
-                if int(spec.ranks_needed(plan.replicas, {})) != workers:
-                    out.append(Candidate(name, m, plan, None, f"the plan {plan.config} does not use {workers} ranks"))
-                    continue
-                spec.build(plan.replicas, m, int(spec.steps_period(plan.replicas)))  # runnable: m fits its rules
-                why = accept(Candidate(name, m, plan, None), captured) if accept is not None else None
-                if why is not None:
-                    out.append(Candidate(name, m, plan, None, why))
-                    continue
-                step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
-                pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
-                                   step_time=step_time)
-                out.append(Candidate(name, m, plan, float(pred["time_per_minibatch"])))
+                out.append(evaluate(name, spec, m))
             except Exception as e:  # noqa: BLE001 - a candidate that cannot be planned or built is skipped, said why
                 out.append(Candidate(name, m, None, None, f"{type(e).__name__}: {e}"))
+    return out
+
+
+def _best(out: list[Candidate], fix: str) -> Candidate:
+    from ..errors import PlanError
+
     runnable = [c for c in out if c.predicted_time is not None]
     if not runnable:
         raise PlanError("no configuration could be planned for --schedule auto: "
-                        + "; ".join(c.line() for c in out) + "; pass --schedule and --config instead")
-    best = min(runnable, key=_rank)
-    return AutoChoice(best, out, costs, time.monotonic() - t0)
+                        + "; ".join(c.line() for c in out) + f"; {fix}")
+    return min(runnable, key=_rank)
 
 
 def _rank(c: Candidate) -> tuple[float, int]:
