@@ -40,7 +40,7 @@ def test_preset_issue13_and_skip(tmp_path: Path) -> None:
     cli = tmp_path / "pipetrain"
     cli.write_text("")
     a = bench_run.parse_args(["--preset", "issue13", "--pipetrain", str(cli)])
-    assert a.rounds == 3 and a.microbatches == [2, 4, 8] and a.warmup == 2 and a.steps_for == {"mlp": 20, "lm": 6}
+    assert a.rounds == 3 and a.microbatches == [2, 4, 8] and a.warmup == 2 and a.steps_for == {"mlp": 20, "lm": 12}
     names = [c.name for c in bench_run.select_configs(a)]
     for want in ("single", "ceiling", "ceiling_m4", "ceiling_m8", "ceiling_dp", "ddp", "pipetrain_dp",
                  "pipetrain_auto", "pipetrain_flush_m4", "pipetrain_zerobubble_m4", "torch_gpipe_m8"):
