@@ -117,7 +117,8 @@ def _fresh_clone(t: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _num_threads(threads: int | None) -> Iterator[None]:
+def num_threads(threads: int | None) -> Iterator[None]:
+    """``torch.set_num_threads(threads)`` inside the block, restored after; None: unchanged."""
     if threads is None:
         yield
         return
@@ -291,7 +292,7 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
     saved = _SavedBytes(gm)
     kept: dict[str, tuple[int, list[str], bool]] = {}
     loss_saved: tuple[int, bool] | None = None
-    with _num_threads(threads), _saved_grads([gm]), preserved_state(gm, [dev]):
+    with num_threads(threads), _saved_grads([gm]), preserved_state(gm, [dev]):
         feed = iter(inputs)
         for node in gm.graph.nodes:
             if node.op == "placeholder":
