@@ -89,9 +89,10 @@ def best_of(names: Iterable[str], medians: dict[str, float | None]) -> str | Non
 
 def issue13_fields(runs: dict[str, list[Measurement]], cfgs: list[Any], medians: dict[str, float | None],
                    configs: dict[str, dict[str, Any]], microbatches: list[int], prim: int,
-                   torch_best: str | None) -> dict[str, Any]:
+                   torch_best: str | None, steady: dict[str, list[Measurement]] | None = None) -> dict[str, Any]:
     """The per-model figures the issue asks for; also writes each configuration's ``ceiling``,
-    ``vs_ceiling`` into ``configs``."""
+    ``vs_ceiling`` into ``configs``. ``steady``: the runs with pipetrain's steady-state rates
+    (its one fill and drain per run left out; PyTorch's as measured)."""
     by_name = {c.name: c for c in cfgs}
     ran = {c.name for c in cfgs if c.kind == "ceiling" and medians.get(c.name)}
     pipeline_ceilings = [n for n in ran if n != "ceiling_dp"]
@@ -129,6 +130,8 @@ def issue13_fields(runs: dict[str, list[Measurement]], cfgs: list[Any], medians:
         "zerobubble_vs_flush_predicted_by_m": zb_pred,
         "pipetrain_best_pipeline": best_pipe,
         "pipetrain_best_pipeline_vs_torch_best": paired_ratio(runs, best_pipe, torch_best),
+        "pipetrain_best_pipeline_steady_vs_torch_best": paired_ratio(steady, best_pipe, torch_best)
+        if steady is not None else None,
         "max_vs_ceiling": configs[worst]["vs_ceiling"] if worst else None,
         "max_vs_ceiling_config": worst,
         "ceiling_best": best_ceiling,

@@ -229,7 +229,7 @@ def summarise(model: str, runs: dict[str, list[Measurement]], cfgs: list[Config]
         "medians": medians,
         "configs": configs,
     }
-    out.update(issue13_fields(runs, cfgs, medians, configs, microbatches, prim, best))
+    out.update(issue13_fields(runs, cfgs, medians, configs, microbatches, prim, best, steady))
     out["model"] = facts.report
     return out
 
@@ -341,8 +341,9 @@ def print_table(report: dict[str, Any]) -> None:
                  "zerobubble_vs_flush": f" (m={r['compared_at_microbatches']}; simulator says "
                                         f"{fmt(zb_predicted.get(str(r['compared_at_microbatches'])), '.2f')})"}
         for key in ("auto_vs_best", "auto_prediction_error", "dp_vs_ddp", "zerobubble_vs_flush",
-                    "pipetrain_best_pipeline_vs_torch_best", "max_vs_ceiling", "memory_prediction_error"):
-            print(f"    {key:<36}{fmt(r.get(key), '.2f'):>6}{notes.get(key, '')}")
+                    "pipetrain_best_pipeline_vs_torch_best", "pipetrain_best_pipeline_steady_vs_torch_best",
+                    "max_vs_ceiling", "memory_prediction_error"):
+            print(f"    {key:<44}{fmt(r.get(key), '.2f'):>6}{notes.get(key, '')}")
 
 
 # --------------------------------------------------------------------------- main

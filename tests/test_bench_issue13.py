@@ -86,7 +86,8 @@ def test_issue13_fields_from_made_up_rounds() -> None:
     configs["pipetrain_flush_m4"].update(predicted_time_per_minibatch_s=1.0, memory_prediction_error=0.3)
     configs["pipetrain_zerobubble_m4"].update(predicted_time_per_minibatch_s=0.8, memory_prediction_error=0.1)
     configs["pipetrain_auto"].update(prediction_error=0.07, prediction_source="pipetrain train --json")
-    out = headline.issue13_fields(runs, cfgs, medians, configs, [4], 4, "torch_1f1b_m4")
+    steady = dict(runs, pipetrain_zerobubble_m4=[_m(23.1), _m(23.1 * 1.1)])
+    out = headline.issue13_fields(runs, cfgs, medians, configs, [4], 4, "torch_1f1b_m4", steady)
     assert out["auto_best_other"] == "pipetrain_zerobubble_m4"
     assert out["auto_vs_best"] == pytest.approx(19.5 / 22 * (1 + 1 / 1.1) / 2)  # median of the two rounds
     assert out["dp_vs_ddp"] == pytest.approx(19 / 18)
@@ -94,6 +95,7 @@ def test_issue13_fields_from_made_up_rounds() -> None:
     assert out["zerobubble_vs_flush_predicted_by_m"]["4"] == pytest.approx(1.25)
     assert out["pipetrain_best_pipeline"] == "pipetrain_zerobubble_m4"
     assert out["pipetrain_best_pipeline_vs_torch_best"] == pytest.approx(22 / 15)
+    assert out["pipetrain_best_pipeline_steady_vs_torch_best"] == pytest.approx(23.1 / 15)
     assert out["max_vs_ceiling_config"] == "pipetrain_zerobubble_m4"  # 22 / 25 is below 1, but the largest
     assert out["max_vs_ceiling"] == pytest.approx(22 / 25)
     assert configs["pipetrain_auto"]["ceiling"] == "ceiling_dp"
