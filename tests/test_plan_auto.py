@@ -111,3 +111,6 @@ def test_a_named_schedule_keeps_pipedreams_plan_and_bad_combinations_are_one_lin
         assert len(bad.stderr.strip().splitlines()) == 1
     bad = cli(tmp_path, vgg_like(), 20 * MBIT, "--workers", "2", "--schedule", "auto", "--straight")
     assert bad.returncode == 2 and "drop --straight" in bad.stderr and "Traceback" not in bad.stderr
+    bad = cli(tmp_path, vgg_like(), 20 * MBIT, "--workers", "2", "--schedule", "auto", "--microbatches", "0")
+    assert bad.returncode == 2 and "--microbatches) must be an integer >= 1, got 0" in bad.stderr
+    assert "Traceback" not in bad.stderr

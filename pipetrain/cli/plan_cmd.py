@@ -156,6 +156,8 @@ def _choose(args: argparse.Namespace, profile: Any) -> tuple[Plan, Any, Topology
         raise PlanError(f"--schedule auto predicts on the pipetrain cost model's calibrated constants, but "
                         f"--cost-model is {args.cost_model}; drop --cost-model or name a schedule")
     workers = int(levels[0])
+    if args.microbatches is not None:  # checked as the planner checks it (one line naming the flag)
+        PlanOptions(microbatches=args.microbatches, max_states=args.max_states)
     memory = parse_topology("1", "1", args.memory).memory_per_worker
     if str(args.calibration) == MEASURE and workers >= 2:
         from ..cluster.calibrate import calibrate
@@ -198,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
         result, choice, topology, options = _choose(args, profile)
     else:
         options = PlanOptions(straight=args.straight, cost_model=args.cost_model, num_stages=args.stages,
-                              schedule=args.schedule or "pipedream", microbatches=args.microbatches or 1,
+                              schedule=args.schedule or "pipedream",
+                              microbatches=1 if args.microbatches is None else args.microbatches,
                               max_states=args.max_states)
         if args.calibration is not None:
             topology, options = _calibrated(args, options)
