@@ -82,11 +82,14 @@ def _topology(args: argparse.Namespace) -> Topology:
     return parse_topology(args.workers, bandwidth, args.memory)
 
 
-def _calibrated(args: argparse.Namespace, options: PlanOptions) -> tuple[Topology, PlanOptions]:
-    """The topology and options of ``--calibration``: flat, at the measured costs."""
+def _calibrated(args: argparse.Namespace, options: PlanOptions,
+                measure_at_workers: bool = False) -> tuple[Topology, PlanOptions]:
+    """The topology and options of ``--calibration``: flat, at the measured costs (the
+    calibration kept in ``args.calibration_loaded``). ``measure_at_workers``: ``measure``
+    runs with the plan's number of ranks (else 2), so the all-reduce fit is at that count."""
     from dataclasses import replace
 
-    from ..plan.calibrated import calibrated_params, calibrated_topology, resolve_calibration
+    from ..plan.calibrated import MEASURE, calibrated_params, calibrated_topology, resolve_calibration
 
     if args.bandwidth is not None:
         raise PlanError(f"--calibration sets the bandwidth from measurements, but --bandwidth {args.bandwidth} was "
@@ -98,7 +101,12 @@ def _calibrated(args: argparse.Namespace, options: PlanOptions) -> tuple[Topolog
     if args.cost_model != "pipetrain":
         raise PlanError(f"--calibration sets the pipetrain cost model's constants, but --cost-model is "
                         f"{args.cost_model}; drop --cost-model or --calibration")
-    cal = resolve_calibration(args.calibration)
+    if measure_at_workers and str(args.calibration) == MEASURE and int(levels[0]) >= 2:
+        from ..cluster.calibrate import calibrate
+
+        cal: Any = calibrate(None, ranks=int(levels[0]))
+    else:
+        cal = resolve_calibration(args.calibration)
     assert cal is not None  # called only when --calibration was given
     args.calibration_loaded = cal
     topology = calibrated_topology(cal, int(levels[0]), parse_topology("1", "1", args.memory).memory_per_worker)
@@ -143,40 +151,18 @@ def _choose(args: argparse.Namespace, profile: Any) -> tuple[Plan, Any, Topology
     """The automatic choice on the profile: its plan (with the choice in ``extra["auto"]``),
     the choice, and the calibrated topology and options (for ``--compare``)."""
     from ..plan.auto import choose_on_profile
-    from ..plan.calibrated import MEASURE, calibrated_topology, resolve_calibration
 
-    levels = [w for w in str(args.workers).replace("x", ",").split(",") if w.strip()]
-    if len(levels) != 1 or not levels[0].strip().isdigit():
-        raise PlanError(f"--schedule auto plans on one flat level of workers, but --workers is {args.workers!r}; "
-                        f"give one count, e.g. --workers 2")
-    if args.bandwidth is not None:
-        raise PlanError(f"--calibration sets the bandwidth from measurements, but --bandwidth {args.bandwidth} was "
-                        f"given too; drop one of them")
-    if args.cost_model != "pipetrain":
-        raise PlanError(f"--schedule auto predicts on the pipetrain cost model's calibrated constants, but "
-                        f"--cost-model is {args.cost_model}; drop --cost-model or name a schedule")
-    workers = int(levels[0])
+    options = PlanOptions(cost_model=args.cost_model, max_states=args.max_states)
     if args.microbatches is not None:  # checked as the planner checks it (one line naming the flag)
         PlanOptions(microbatches=args.microbatches, max_states=args.max_states)
-    memory = parse_topology("1", "1", args.memory).memory_per_worker
-    if str(args.calibration) == MEASURE and workers >= 2:
-        from ..cluster.calibrate import calibrate
-
-        cal: Any = calibrate(None, ranks=workers)   # all-reduce measured at this run's rank count
-    else:
-        cal = resolve_calibration(args.calibration)
-    choice = choose_on_profile(profile, workers, cal, microbatches=args.microbatches, memory_limit=memory,
+    topology, options = _calibrated(args, options, measure_at_workers=True)
+    choice = choose_on_profile(profile, topology.total_workers, args.calibration_loaded,
+                               microbatches=args.microbatches, memory_limit=topology.memory_per_worker,
                                max_states=args.max_states)
     result = choice.best.plan
-    assert result is not None and cal is not None  # the best candidate is runnable, so planned
+    assert result is not None  # the best candidate is runnable, so planned
     result.extra["auto"] = choice.to_json()
-    from ..plan.calibrated import calibration_summary
-
-    result.extra["calibration"] = calibration_summary(cal)
-    from ..plan.calibrated import calibrated_params
-
-    options = PlanOptions(cost_model=args.cost_model, max_states=args.max_states, cost_params=calibrated_params(cal))
-    return result, choice, calibrated_topology(cal, workers), options
+    return result, choice, topology, options
 
 
 def _simulated_data_parallel(choice: Any) -> float | None:
@@ -209,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
             topology = _topology(args)
         result = plan(profile, topology, options)
     result.batch_size = profile.batch_size
-    if args.calibration is not None and choice is None:
+    if args.calibration is not None:
         from ..plan.calibrated import calibration_summary
 
         result.extra["calibration"] = calibration_summary(args.calibration_loaded)  # set by _calibrated
