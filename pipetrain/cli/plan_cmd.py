@@ -89,7 +89,7 @@ def _calibrated(args: argparse.Namespace, options: PlanOptions,
     runs with the plan's number of ranks (else 2), so the all-reduce fit is at that count."""
     from dataclasses import replace
 
-    from ..plan.calibrated import MEASURE, calibrated_params, calibrated_topology, resolve_calibration
+    from ..plan.calibrated import calibrated_params, calibrated_topology, resolve_calibration
 
     if args.bandwidth is not None:
         raise PlanError(f"--calibration sets the bandwidth from measurements, but --bandwidth {args.bandwidth} was "
@@ -101,15 +101,11 @@ def _calibrated(args: argparse.Namespace, options: PlanOptions,
     if args.cost_model != "pipetrain":
         raise PlanError(f"--calibration sets the pipetrain cost model's constants, but --cost-model is "
                         f"{args.cost_model}; drop --cost-model or --calibration")
-    if measure_at_workers and str(args.calibration) == MEASURE and int(levels[0]) >= 2:
-        from ..cluster.calibrate import calibrate
-
-        cal: Any = calibrate(None, ranks=int(levels[0]))
-    else:
-        cal = resolve_calibration(args.calibration)
+    workers = int(levels[0])
+    cal = resolve_calibration(args.calibration, ranks=workers if measure_at_workers and workers >= 2 else 2)
     assert cal is not None  # called only when --calibration was given
     args.calibration_loaded = cal
-    topology = calibrated_topology(cal, int(levels[0]), parse_topology("1", "1", args.memory).memory_per_worker)
+    topology = calibrated_topology(cal, workers, parse_topology("1", "1", args.memory).memory_per_worker)
     return topology, replace(options, cost_params=calibrated_params(cal, options.cost_params.minibatches))
 
 
@@ -152,9 +148,10 @@ def _choose(args: argparse.Namespace, profile: Any) -> tuple[Plan, Any, Topology
     the choice, and the calibrated topology and options (for ``--compare``)."""
     from ..plan.auto import choose_on_profile
 
-    options = PlanOptions(cost_model=args.cost_model, max_states=args.max_states)
-    if args.microbatches is not None:  # checked as the planner checks it (one line naming the flag)
-        PlanOptions(microbatches=args.microbatches, max_states=args.max_states)
+    # --microbatches is checked as the planner checks it (one line naming the flag); the
+    # options serve --compare's baselines.
+    options = PlanOptions(cost_model=args.cost_model, max_states=args.max_states,
+                          microbatches=1 if args.microbatches is None else args.microbatches)
     topology, options = _calibrated(args, options, measure_at_workers=True)
     choice = choose_on_profile(profile, topology.total_workers, args.calibration_loaded,
                                microbatches=args.microbatches, memory_limit=topology.memory_per_worker,

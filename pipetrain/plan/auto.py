@@ -219,7 +219,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     from ..errors import PlanError
     from ..profile.profiler import num_threads, profile_captured
     from .api import PlanOptions
-    from .calibrated import plan_with_calibration, predict_run, resolve_calibration
+    from .calibrated import MEASURE, plan_with_calibration, predict_run, resolve_calibration
     from .cuts import split_by_config
     from .stage_timing import refine_profile, stage_seconds
 
@@ -228,10 +228,9 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         raise PlanError(f"the automatic choice compares parallel configurations; it needs 2 or more workers, "
                         f"got {workers}")
     cal = resolve_calibration(calibration)
-    if cal is None:
-        from ..cluster.calibrate import calibrate
-
-        cal = calibrate(None, ranks=workers)
+    if cal is None:  # measured now, at this run's rank count
+        cal = resolve_calibration(MEASURE, ranks=workers)
+    assert cal is not None
     costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
     names = list(schedules) if schedules is not None else _auto_names()
     steps_of = _StepTimer(optimizer, momentum)

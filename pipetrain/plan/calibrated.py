@@ -51,8 +51,9 @@ __all__ = ["MEASURE", "resolve_calibration", "calibrated_params", "calibrated_to
 MEASURE = "measure"
 
 
-def resolve_calibration(value: str | Path | Calibration | None) -> Calibration | None:
-    """A calibration from a file path, ``"measure"`` (2 ranks on loopback, now), or as given.
+def resolve_calibration(value: str | Path | Calibration | None, ranks: int = 2) -> Calibration | None:
+    """A calibration from a file path, ``"measure"`` (``ranks`` ranks on loopback, now, so the
+    all-reduce fit is at that count), or as given.
 
     Raises CalibrationError (a PipetrainError) when the file is missing or malformed.
     """
@@ -63,7 +64,7 @@ def resolve_calibration(value: str | Path | Calibration | None) -> Calibration |
     if str(value) == MEASURE:
         from ..cluster.calibrate import calibrate
 
-        return calibrate(None, ranks=2)
+        return calibrate(None, ranks=ranks)
     return load_calibration(value)
 
 
