@@ -8,7 +8,7 @@ Needs root (network namespaces: ``pipetrain.cluster``). What it does:
 1. profiles the model here (one thread), at the minibatch and at every unit size a run uses
    (per-node times do not scale linearly with the unit size on a CPU);
 2. makes an emulated cluster of ``--hosts`` hosts with ``--bandwidth`` links (tbf) and
-   calibrates it (``pipetrain.cluster.calibrate``: point-to-point and all-reduce fits);
+   calibrates it (``pipetrain.cluster.measure``: point-to-point and all-reduce fits);
 3. trains, one torchrun agent per host, each configuration for ``--steps`` timed steps
    after ``--warmup-steps``:
 
@@ -18,9 +18,9 @@ Needs root (network namespaces: ``pipetrain.cluster``). What it does:
        straight  --config 1-1[-1-1] (one stage per host, split by estimated compute; pipedream)
 
 4. predicts each run's time per minibatch by simulating its schedule on its resolved plan
-   with the calibrated costs (:func:`pipetrain.plan.calibrated.predict_run`) and the profile
+   with the calibrated costs (:func:`pipetrain.simulate.calibrated.predict_run`) and the profile
    whose node times are scaled, stage by stage, to the stage's forward + backward measured
-   here as a whole, alone (:mod:`pipetrain.plan.stage_timing`), plus each stage's optimizer
+   here as a whole, alone (:mod:`pipetrain.auto.stage_timing`), plus each stage's optimizer
    step timed here; and its bytes per sample from the plan (:mod:`pipetrain.plan.traffic`).
    Also reported: the prediction with every rank timing its stage at the same time on this
    machine's shared cores (``_concurrent``: the emulated hosts share 2 cores; an upper bound,
@@ -101,7 +101,7 @@ def _summary(hosts: int, bandwidth_bits: int | None, runs: dict[str, dict[str, A
 
 def main(argv: list[str] | None = None) -> int:
     from pipetrain.cluster import EmulatedCluster
-    from pipetrain.cluster.calibrate import calibrate
+    from pipetrain.cluster.measure import calibrate
     from pipetrain.cluster.names import parse_rate
     from pipetrain.cluster.netns import unavailable_reason
     from pipetrain.plan.calibrated import calibration_summary

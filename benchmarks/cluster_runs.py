@@ -78,10 +78,10 @@ class ModelSetup:
 
     def node_values(self, samples: int) -> dict[str, Any]:
         """Every node's output on the first ``samples`` samples (one forward of the whole model)."""
-        from pipetrain.plan.stage_timing import _node_values
+        from pipetrain.auto.stage_timing import node_values
 
         if samples not in self._values:
-            self._values[samples] = _node_values(self.captured.gm, self.unit_inputs(samples))
+            self._values[samples] = node_values(self.captured.gm, self.unit_inputs(samples))
         return self._values[samples]
 
     def concurrent_stage_seconds(self, plan: Any, units: int, window: float = 2.0) -> list[float]:
@@ -113,7 +113,7 @@ class ModelSetup:
     def stage_seconds(self, nodes: list[str], samples: int) -> float:
         """Measured forward + backward seconds of the stage made of ``nodes`` as a whole, on a
         unit of ``samples`` samples (median of ``repeats``, one thread, alone)."""
-        from pipetrain.plan.stage_timing import stage_seconds
+        from pipetrain.auto.stage_timing import stage_seconds
 
         key = (tuple(nodes), samples)
         if key not in self._stage_seconds:
@@ -123,8 +123,8 @@ class ModelSetup:
 
     def _stage_fn(self, nodes: list[str], samples: int) -> Any:
         """A function timing one forward + backward of the stage made of ``nodes`` on a unit
-        (:func:`pipetrain.plan.stage_timing.stage_function`)."""
-        from pipetrain.plan.stage_timing import stage_function
+        (:func:`pipetrain.auto.stage_timing.stage_function`)."""
+        from pipetrain.auto.stage_timing import stage_function
 
         return stage_function(self.captured.gm, nodes, self.node_values(samples))
 
@@ -132,8 +132,8 @@ class ModelSetup:
         """:meth:`minibatch_profile` with each stage's node times scaled so that they add up to
         the stage's measured time as a whole (:meth:`concurrent_stage_seconds`, or alone with
         ``concurrent=False``); the forward/backward split within a stage stays the per-node
-        profile's (:func:`pipetrain.plan.stage_timing.refine_profile`)."""
-        from pipetrain.plan.stage_timing import refine_profile
+        profile's (:func:`pipetrain.auto.stage_timing.refine_profile`)."""
+        from pipetrain.auto.stage_timing import refine_profile
 
         prof = self.minibatch_profile(units)
         samples = self.batch_size // units
@@ -195,9 +195,9 @@ def run_config(cluster: Any, name: str, hosts: int, setup: ModelSetup, cal: Any,
                warmup: int, timeout: float) -> dict[str, Any]:
     """Train configuration ``name`` across the cluster; measured and predicted figures."""
     from pipetrain.cluster.launch import launch_torchrun
-    from pipetrain.plan.calibrated import predict_run
     from pipetrain.plan.types import Plan
     from pipetrain.schedule import get_schedule
+    from pipetrain.simulate.calibrated import predict_run
 
     batch = setup.batch_size
     t0 = time.monotonic()

@@ -1,5 +1,6 @@
-"""The issue-13 figures of one model: ceilings as bounds, ``auto``, ``dp``, zero-bubble,
-pipetrain against PyTorch, and the predictions' errors (see docs/performance.md).
+"""The headline figures of one model (``--preset headline``): ceilings as bounds, ``auto``,
+``dp``, zero-bubble, pipetrain against PyTorch, and the predictions' errors (see
+docs/performance.md).
 
 Every ratio is the median over rounds of per-round ratios (:func:`paired_ratio`), as for
 the other headline figures.
@@ -87,10 +88,10 @@ def best_of(names: Iterable[str], medians: dict[str, float | None]) -> str | Non
     return max(ok, key=lambda n: medians[n] or 0.0) if ok else None
 
 
-def issue13_fields(runs: dict[str, list[Measurement]], cfgs: list[Any], medians: dict[str, float | None],
+def headline_fields(runs: dict[str, list[Measurement]], cfgs: list[Any], medians: dict[str, float | None],
                    configs: dict[str, dict[str, Any]], microbatches: list[int], prim: int,
                    torch_best: str | None, steady: dict[str, list[Measurement]] | None = None) -> dict[str, Any]:
-    """The per-model figures the issue asks for; also writes each configuration's ``ceiling``,
+    """The per-model headline figures; also writes each configuration's ``ceiling``,
     ``vs_ceiling`` into ``configs``. ``steady``: the runs with pipetrain's steady-state rates
     (its one fill and drain per run left out; PyTorch's as measured)."""
     by_name = {c.name: c for c in cfgs}

@@ -3,8 +3,8 @@
 The measured side is what ``pipetrain train --json`` reports per rank: ``tensor_peak_mib``,
 the peak of the tensors the worker really holds (weights, gradients, optimizer state,
 activations saved for backward, receive buffers, cached data; each storage once:
-``pipetrain.runtime.tensor_memory``). The prediction is
-``pipetrain.simulate.memory.predict_tensor_memory`` of the run's own plan and schedule (its
+``pipetrain.runtime.guards.tensor_ledger``). The prediction is
+``pipetrain.simulate.tensor_memory.predict_tensor_memory`` of the run's own plan and schedule (its
 ``--json`` carries them, so ``auto`` is predicted for what the planner chose), from a profile
 of the same model measured here on the whole minibatch with the profiler's saved-for-backward
 fields and the loss's: the same accounting on both sides, so the figures are byte counts that
@@ -42,7 +42,7 @@ class MemoryPredictor:
         timed segment has ``steps`` steps (the runtime's synthetic data caches that many)."""
         from pipetrain.plan.types import Plan
         from pipetrain.schedule import get_schedule
-        from pipetrain.simulate.memory import predict_tensor_memory
+        from pipetrain.simulate.tensor_memory import predict_tensor_memory
 
         if not chosen.get("plan") or not chosen.get("schedule"):
             return None

@@ -75,7 +75,7 @@ class TimePredictor:
 
     def predict(self, chosen: dict[str, Any], steps: int) -> dict[str, Any] | None:
         """The simulator's figures for a run (``chosen``: :func:`pipetrain_cli.chosen_configuration`)."""
-        from pipetrain.plan.quick import LOCAL_BANDWIDTH
+        from pipetrain.auto.quick import LOCAL_BANDWIDTH
         from pipetrain.plan.types import Plan, Topology
         from pipetrain.schedule import get_schedule
         from pipetrain.simulate import StageCosts, simulate

@@ -27,8 +27,8 @@ Configurations (per model; ``m`` = microbatches, default 2, 4, 8):
                          pipetrain, 2 workers
   (--four-workers adds *_w4 variants on 4 workers: 4 stages on this 2-core machine)
 
-The issue-13 measurement (both models, 3 interleaved rounds, about 20 minutes on 2 quiet
-cores): ``python benchmarks/run.py --preset issue13 --json > bench.json``.
+The headline measurement (both models, 3 interleaved rounds, about 20 minutes on 2 quiet
+cores): ``python benchmarks/run.py --preset headline --json > bench.json``.
 
 See docs/performance.md for the method and how to read the figures.
 """
@@ -49,7 +49,7 @@ from typing import Any
 
 from baselines import pipetrain_cli
 from bench_models import BATCH_SIZES, balanced_cuts, build_bench_model, child_times, split_point
-from headline import issue13_fields, memory_error, paired_ratio, relative_error
+from headline import headline_fields, memory_error, paired_ratio, relative_error
 from predict_memory import measured_tensor_peak
 from predict_time import cli_prediction, measured_time
 from processes import free_port, run_group
@@ -229,7 +229,7 @@ def summarise(model: str, runs: dict[str, list[Measurement]], cfgs: list[Config]
         "medians": medians,
         "configs": configs,
     }
-    out.update(issue13_fields(runs, cfgs, medians, configs, microbatches, prim, best, steady))
+    out.update(headline_fields(runs, cfgs, medians, configs, microbatches, prim, best, steady))
     out["model"] = facts.report
     return out
 
@@ -249,7 +249,7 @@ def _predictions(cfg: Config, ms: list[Measurement], facts: ModelFacts,
             predicted, source = own, "pipetrain train --json"
     # Memory (docs/performance.md, "Memory"): the tensor peak each worker measured
     # (``tensor_peak_mib`` of pipetrain's --json) against predict_memory.py's prediction of the
-    # same accounting for the run's own plan and schedule. Older runs without a tensor peak
+    # same accounting for the run's own plan and schedule. Runs without a tensor peak
     # fall back to the peak RSS (above the post-import RSS, else above the set-up RSS) and the
     # harness's simulation (baselines/predict.py).
     mem_pred = facts.memory_predicted.get(cfg.name)
@@ -333,7 +333,7 @@ def print_table(report: dict[str, Any]) -> None:
             elif key.startswith("pipetrain_flush") or key.startswith("pipetrain_gpipe"):
                 note = f" (m={r['compared_at_microbatches']})"
             print(f"    {key:<36}{fmt(r[key], '.2f'):>6}{note}")
-        print("  issue 13:")
+        print("  headline:")
         zb_predicted = r["zerobubble_vs_flush_predicted_by_m"]
         notes = {"auto_vs_best": f" (auto chose {r.get('auto_chosen')}; best other: {r.get('auto_best_other')})",
                  "pipetrain_best_pipeline_vs_torch_best": f" ({r.get('pipetrain_best_pipeline')} vs {r['torch_best']})",
@@ -347,13 +347,13 @@ def print_table(report: dict[str, Any]) -> None:
 
 
 # --------------------------------------------------------------------------- main
-#: Named measurements (``--preset``). issue13: both models, 3 interleaved rounds, every
+#: Named measurements (``--preset``). headline: both models, 3 interleaved rounds, every
 #: framework on the balanced cut (per-layer times measured before round 1); PyTorch at m = 2, 4,
-#: 8 (1F1B not at 8: slower than at 4 on both models in every earlier run), pipetrain's
+#: 8 (1F1B not at 8: slower than at 4 on both models), pipetrain's
 #: pipelines at m = 4 (flush and zerobubble also at 8), ceilings at the unit sizes of 1, 4 and 8
 #: (m = 2 is held to the best of them): 19 configurations per model.
 PRESETS: dict[str, dict[str, Any]] = {
-    "issue13": {"rounds": 3, "microbatches": "2,4,8", "split": "balanced", "warmup": 2,
+    "headline": {"rounds": 3, "microbatches": "2,4,8", "split": "balanced", "warmup": 2,
                 "skip": "pipetrain_*_m2,ceiling_m2,torch_1f1b_m8,pipetrain_2bw_m8,pipetrain_gpipe_m*"},
 }
 #: Timed steps per model of a preset (``--steps`` overrides). Even counts: a replicated
@@ -362,7 +362,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 #: and drains once per run, not per minibatch, and at 6 steps that one fill and drain (about
 #: one microbatch's forward and backward, 230 ms of 4.6 s for 2bw m=4) cost it 5% of the
 #: window; a synchronous schedule's per-minibatch flush is in every step at any count.
-PRESET_STEPS: dict[str, dict[str, int]] = {"issue13": {"mlp": 20, "lm": 12}}
+PRESET_STEPS: dict[str, dict[str, int]] = {"headline": {"mlp": 20, "lm": 12}}
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -379,8 +379,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="comma-separated glob patterns of configuration names to run (single is always run)")
     p.add_argument("--skip", default="", help="comma-separated glob patterns of configuration names to leave out")
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
-                   help="a named measurement; explicit options override it (issue13: "
-                        + ", ".join(f"--{k} {v}" for k, v in PRESETS["issue13"].items()) + ")")
+                   help="a named measurement; explicit options override it (headline: "
+                        + ", ".join(f"--{k} {v}" for k, v in PRESETS["headline"].items()) + ")")
     p.add_argument("--four-workers", action="store_true", help="also run ceiling and pipetrain on 4 workers (4 stages)")
     p.add_argument("--split", choices=("layers", "balanced"), default=None,
                    help="stage cut of the harness's pipelines: equal numbers of layers (default), or "

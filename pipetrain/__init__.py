@@ -30,6 +30,7 @@ from .errors import (
     ScheduleError,
 )
 from .graph import CapturedModel, LayerGraph, LayerNode, TensorMeta, capture, run_node_by_node
+from .job import TrainConfig
 from .models import MODEL_NAMES, ModelBundle, get_model, load_model
 from .plan import (
     Level,
@@ -45,7 +46,8 @@ from .plan import (
     stage_memory,
 )
 from .profile import NodeProfile, Profile, format_profile_table, load_profile, profile_model, save_profile
-from .runtime import TrainConfig, WorkerFailure, replay_schedule, train, train_single_process
+from .run import train
+from .runtime import WorkerFailure, replay_schedule, train_single_process
 from .schedule import (
     SCHEDULE_NAMES,
     SCHEDULES,

@@ -7,5 +7,6 @@
 - :mod:`baselines.ddp`: ``DistributedDataParallel`` on two processes, half the batch each.
 - :mod:`baselines.pipetrain_cli`: pipetrain's own schedules through ``pipetrain train``.
 
-Workers are started by :mod:`baselines.worker` (``python benchmarks/run.py _worker SPEC``).
+Workers are started by :mod:`baselines.worker` (``python benchmarks/run.py _worker SPEC``);
+:mod:`baselines.common` holds what every configuration shares (learning rate, fixed batch).
 """

@@ -10,7 +10,7 @@ from typing import Any
 from bench_models import BenchModel
 from timing import timed_loop
 
-from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
+from baselines.common import LR, barrier, begin_training_phase, fixed_batch
 
 
 def run_ddp(spec: dict[str, Any], bm: BenchModel) -> dict[str, Any]:

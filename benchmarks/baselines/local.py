@@ -13,8 +13,8 @@ activations and gradients that are fixed tensors of the right shapes instead of 
 
 To be an upper bound for pipetrain too, a ceiling worker runs its share the way pipetrain's
 stages do (:func:`lean_stage`): glibc's malloc tuned to keep freed memory
-(``pipetrain.runtime.memory.tune_malloc``), the ``nn.Linear`` weight gradients written by the
-GEMM straight into persistent buffers (``pipetrain.runtime.fused``), the other gradients
+(``pipetrain.runtime.process.rss.tune_malloc``), the ``nn.Linear`` weight gradients written by the
+GEMM straight into persistent buffers (``pipetrain.runtime.engine.fused``), the other gradients
 accumulated into persistent ``.grad`` tensors. Its throughput is batch / (step time of the
 slowest worker), computed by the orchestrator from every rank's timed window.
 """
@@ -26,7 +26,7 @@ from typing import Any
 from bench_models import BenchModel, split_stages
 from timing import timed_loop
 
-from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
+from baselines.common import LR, barrier, begin_training_phase, fixed_batch
 
 
 def run_single(spec: dict[str, Any], bm: BenchModel) -> dict[str, Any]:
@@ -125,8 +125,8 @@ def lean_stage(mod: Any) -> Callable[[], None]:
     call before each step's first backward (it starts a new gradient group)."""
     import torch
 
-    from pipetrain.runtime.fused import AccumulatingLinear, GradSink
-    from pipetrain.runtime.memory import tune_malloc
+    from pipetrain.runtime.engine.fused import AccumulatingLinear, GradSink
+    from pipetrain.runtime.process.rss import tune_malloc
 
     tune_malloc()
     sink = GradSink()

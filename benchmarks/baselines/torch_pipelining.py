@@ -20,8 +20,8 @@ from typing import Any
 from bench_models import BenchModel, split_stages
 from timing import timed_loop
 
+from baselines.common import LR, barrier, begin_training_phase, fixed_batch
 from baselines.local import stage_activations
-from baselines.worker import LR, barrier, begin_training_phase, fixed_batch
 
 
 def run_torch_pipe(spec: dict[str, Any], bm: BenchModel) -> dict[str, Any]:

@@ -9,7 +9,8 @@ on 127.0.0.1 when ``world > 1`` (every collective bounded by ``timeout_s``), run
 configuration and prints one ``BENCH_RESULT {...}`` line: the timed window's wall time,
 the per-step times, the last loss and memory: RSS once torch is imported and the group
 joined (``rss_import_mib``), once set up, and
-the peak of the training phase (counted from the set-up point: see ``begin_training_phase``).
+the peak of the training phase (counted from the set-up point: see
+``baselines.common.begin_training_phase``).
 """
 from __future__ import annotations
 
@@ -21,9 +22,7 @@ from typing import Any
 
 from bench_models import BenchModel, build_bench_model
 from processes import emit_result
-from rss import current_rss_mib, release_memory, reset_peak_rss, rss_mib
-
-LR = 0.01  # SGD learning rate of every configuration (the value does not change the speed)
+from rss import current_rss_mib, rss_mib
 
 
 def _runner(kind: str) -> Callable[[dict[str, Any], BenchModel], dict[str, Any]]:
@@ -68,31 +67,6 @@ def main(argv: list[str]) -> int:
                rss_import_mib=rss_import, rss_peak_mib=rss_mib())
     emit_result(out)
     return 0
-
-
-def begin_training_phase(bm: BenchModel) -> dict[str, Any]:
-    """Drop the whole model (the caller keeps its own stage), reset the peak-RSS count.
-
-    Returns ``rss_setup_mib`` (RSS once set up: its stage's weights, the data, torch) and
-    whether the peak could be reset (``peak_reset``; if not, the peak includes the build).
-    """
-    bm.layers = bm.model = None
-    release_memory()
-    return {"rss_setup_mib": current_rss_mib(), "peak_reset": reset_peak_rss()}
-
-
-def barrier() -> None:
-    """A gloo barrier (bounded by the group's timeout)."""
-    import torch.distributed as dist
-
-    dist.barrier()
-
-
-def fixed_batch(bm: BenchModel, seed: int) -> tuple[tuple[Any, ...], Any]:
-    """The one minibatch every step reuses (data generation stays out of the timing)."""
-    import torch
-
-    return bm.make_batch(bm.batch_size, torch.Generator().manual_seed(seed + 1))
 
 
 if __name__ == "__main__":

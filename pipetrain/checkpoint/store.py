@@ -27,7 +27,7 @@ import shutil
 import tempfile
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,7 +51,7 @@ from .manifest import (
 from .retention import TMP_SUFFIX, prune
 from .state import RankState, RankSummary, flatten, model_key, optim_key, rank_key, stash_key
 
-__all__ = ["save_checkpoint_dir", "load_for_rank", "RankLoad", "load_rank_extras", "read_state_dict",
+__all__ = ["save_checkpoint_dir", "load_for_rank", "RankLoad", "load_rank_extras", "read_state_dict", "read_tensors",
            "load_into_model", "export_state_dict", "atomic_torch_save"]
 
 
@@ -91,7 +91,7 @@ def _merge(summaries: Sequence[RankSummary]) -> tuple[dict[str, Any], str | None
 
 def save_checkpoint_dir(root: str | Path, step: int, *, rank_state: RankState, manifest_info: Mapping[str, Any],
                         group: dist.ProcessGroup | None = None, keep: int | None = None,
-                        sync_files: bool = True) -> Path:
+                        sync_files: bool = True, before_manifest: Callable[[], None] | None = None) -> Path:
     """Write ``root/step_XXXXXXXX/`` from every rank of ``group`` in parallel; return its path.
 
     Args:
@@ -104,6 +104,9 @@ def save_checkpoint_dir(root: str | Path, step: int, *, rank_state: RankState, m
         group: the process group (default: the world); a single process needs none.
         keep: keep only this many newest complete checkpoints (``None``: all).
         sync_files: fsync every file (DCP's ``sync_files``); turn off only for tests.
+        before_manifest: called on rank 0 once every rank's tensor files and DCP's metadata
+            are on disk, just before the manifest is written (fault injection: a process
+            that dies there leaves only the ``.tmp`` directory).
 
     Raises :class:`CheckpointError` on every rank alike for a user error found on any rank
     (non-serializable values, conflicting shapes, bad ``keep``).
@@ -153,7 +156,7 @@ def save_checkpoint_dir(root: str | Path, step: int, *, rank_state: RankState, m
     err: str | None = None
     if rank == 0:
         try:
-            _finish(root, tmp, final, step, world, dict(manifest_info), merged, summaries, keep)
+            _finish(root, tmp, final, step, world, dict(manifest_info), merged, summaries, keep, before_manifest)
         except Exception as e:  # noqa: BLE001 - every rank must learn that the save failed
             err = f"{type(e).__name__}: {e}"
     if distributed:
@@ -166,7 +169,8 @@ def save_checkpoint_dir(root: str | Path, step: int, *, rank_state: RankState, m
 
 
 def _finish(root: Path, tmp: Path, final: Path, step: int, world: int, info: dict[str, Any],
-            merged: dict[str, Any], summaries: Sequence[RankSummary], keep: int | None) -> None:
+            merged: dict[str, Any], summaries: Sequence[RankSummary], keep: int | None,
+            before_manifest: Callable[[], None] | None = None) -> None:
     """Rank 0, once every rank's files are on disk: manifest last, rename, retention."""
     files = {f.name: f.stat().st_size for f in sorted(tmp.iterdir()) if f.is_file() and f.name != MANIFEST_NAME}
     man = Manifest(
@@ -178,6 +182,8 @@ def _finish(root: Path, tmp: Path, final: Path, step: int, world: int, info: dic
         stage_steps=merged["stage_steps"],
         ranks={s.rank: {"extras": s.extras, "tensor_extras": s.tensor_extras} for s in summaries},
         files=files)
+    if before_manifest is not None:
+        before_manifest()
     write_manifest(man)
     if final.exists():  # the same step saved again (e.g. after a restart): replace it
         old = root / (final.name + ".old" + TMP_SUFFIX)
@@ -215,8 +221,9 @@ class RankLoad:
         return self.manifest.info
 
 
-def _dcp_read(man: Manifest, specs: Mapping[str, TensorSpec], device: torch.device | str) -> dict[str, Tensor]:
-    """Read ``specs``' keys from the checkpoint (only their bytes), on ``device``."""
+def read_tensors(man: Manifest, specs: Mapping[str, TensorSpec], device: torch.device | str) -> dict[str, Tensor]:
+    """Read ``specs``' keys (storage keys: :func:`~pipetrain.checkpoint.state.model_key`,
+    ``optim_key``, ...) from the checkpoint of ``man``, only their bytes, onto ``device``."""
     if not specs:
         return {}
     sd = {k: s.empty() for k, s in specs.items()}
@@ -273,7 +280,7 @@ def load_for_rank(path: str | Path, wanted: Mapping[str, Sequence[int]] | Iterab
         extras.update(man.ranks[rank].get("extras", {}))
         for k, d in man.ranks[rank].get("tensor_extras", {}).items():
             specs[rank_key(rank, k)] = TensorSpec.from_json(d)
-    got = _dcp_read(man, specs, device)
+    got = read_tensors(man, specs, device)
     out = RankLoad(man, stage_steps={n: man.stage_steps[n] for n in names if n in man.stage_steps})
     out.model = {n: got[model_key(n)] for n in names}
     if optimizer:
@@ -303,7 +310,7 @@ def load_rank_extras(path: str | Path, rank: int) -> dict[str, Any]:
 def read_state_dict(path: str | Path) -> dict[str, Tensor]:
     """The whole model's ``{name: tensor}`` (newest weights and buffers), in the manifest's order."""
     man = read_manifest(path)
-    got = _dcp_read(man, {model_key(n): s for n, s in man.model.items()}, "cpu")
+    got = read_tensors(man, {model_key(n): s for n, s in man.model.items()}, "cpu")
     return {n: got[model_key(n)] for n in man.model}
 
 
@@ -316,7 +323,7 @@ def load_into_model(path: str | Path, model: nn.Module, strict: bool = True) -> 
     man = read_manifest(path)
     expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
     check_params(man, expected, complete=strict)
-    got = _dcp_read(man, {model_key(n): man.model[n] for n in expected}, "cpu")
+    got = read_tensors(man, {model_key(n): man.model[n] for n in expected}, "cpu")
     model.load_state_dict({n: got[model_key(n)] for n in expected}, strict=strict)
     return man
 

@@ -59,6 +59,22 @@ def main(argv: list[str] | None = None) -> int:
     return dispatch(build_parser(), argv)
 
 
+def cluster_main(argv: list[str]) -> int:
+    """``python -m pipetrain.cluster ACTION ...``: ``pipetrain cluster ACTION ...`` (and
+    ``python -m pipetrain.cluster calibrate ...``: ``pipetrain calibrate ...``)."""
+    from . import calibrate_cmd, cluster_cmd
+
+    parser = argparse.ArgumentParser(prog="python -m pipetrain.cluster")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    cluster_cmd.register(sub)
+    calibrate_cmd.register(sub)
+    if argv and argv[0] not in ("cluster", "calibrate", "-h", "--help"):
+        argv = ["cluster", *argv]  # `python -m pipetrain.cluster up` = `pipetrain cluster up`
+    reopen_closed_std_fds()  # as main() does: `cluster run -- compare` trains from this process
+    quiet_resource_tracker()
+    return dispatch(parser, argv)
+
+
 def dispatch(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse ``argv`` with ``parser`` (subparsers registered by ``NAME_cmd.register``) and run
     the chosen subcommand's ``func``: its exit code. No subcommand: the help, exit 2; a

@@ -6,7 +6,7 @@
 
 Prints a summary (or one JSON object with ``--json``: the calibration file's content) and writes
 the calibration file with ``--output`` (format: :mod:`pipetrain.cluster.calibration`). This
-module only parses arguments and calls :func:`pipetrain.cluster.calibrate.calibrate`.
+module only parses arguments and calls :func:`pipetrain.cluster.measure.calibrate`.
 """
 from __future__ import annotations
 
@@ -40,8 +40,8 @@ def register(subparsers: Any) -> None:
 
 
 def run(a: argparse.Namespace) -> int:
-    from ..cluster.calibrate import calibrate
     from ..cluster.errors import ClusterError
+    from ..cluster.measure import calibrate
     from ..cluster.netns import EmulatedCluster
 
     if a.cluster and a.hosts:

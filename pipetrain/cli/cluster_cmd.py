@@ -94,10 +94,7 @@ def run_cmd(a: argparse.Namespace) -> int:
         raise ClusterError("pipetrain cluster run needs the command to run after --, e.g. "
                            "`pipetrain cluster run --hosts 2 -- train --model mlp --config 1-1`")
     if args[0] == "compare" and not a.cluster:
-        # compare runs here and trains each configuration across the hosts (one torchrun per run)
-        from ..run.on_cluster import run_on_cluster
-
-        return run_on_cluster(args, a.hosts, a.bandwidth, nproc_per_node=a.nproc_per_node, timeout=a.timeout)
+        return _compare_on_cluster(args, a)
     try:
         cluster = (EmulatedCluster.attach(a.cluster) if a.cluster
                    else EmulatedCluster(a.hosts, a.bandwidth)).up()
@@ -125,6 +122,20 @@ def run_cmd(a: argparse.Namespace) -> int:
         print(f"error: the run did not finish within --timeout {a.timeout:g} s; every process was killed",
               file=sys.stderr)
     return res.returncode
+
+
+def _compare_on_cluster(argv: list[str], a: argparse.Namespace) -> int:
+    """``cluster run -- compare ...``: the comparison runs here and trains each configuration
+    across the hosts of a new cluster (one torchrun per configuration); the cluster is removed."""
+    from ..cluster.netns import EmulatedCluster
+    from ..run.on_cluster import cluster_train
+    from . import compare_cmd
+
+    parser = argparse.ArgumentParser(prog="pipetrain")
+    compare_cmd.register(parser.add_subparsers(dest="command", metavar="COMMAND"))
+    args = parser.parse_args(argv)
+    with EmulatedCluster(a.hosts, a.bandwidth) as c:
+        return compare_cmd.run(args, train=cluster_train(c, nproc_per_node=a.nproc_per_node, timeout=a.timeout))
 
 
 def up_cmd(a: argparse.Namespace) -> int:

@@ -19,9 +19,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import RuntimeConfigError
+
+if TYPE_CHECKING:
+    from ..run.compare import TrainFunction
 
 #: Schedules compared when ``--schedules`` is not given.
 DEFAULT_SCHEDULES = "dp,pipedream,2bw,flush,gpipe"
@@ -60,10 +63,13 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, train: TrainFunction | None = None) -> int:
+    """Compare the schedules of ``args`` and print the table (or JSON); ``train`` trains each
+    configuration (default: local processes; ``pipetrain cluster run`` passes the emulated
+    cluster's, :func:`pipetrain.run.on_cluster.cluster_train`)."""
     from ..metrics import format_table
     from ..run.compare import compare, schedule_option_keys
-    from ..runtime.log import setup_logging
+    from ..runtime.process.log import setup_logging
     from .train_cmd import config_from_args
 
     if hasattr(args, "schedule"):
@@ -102,8 +108,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {f.label}: {f.message}", file=sys.stderr, flush=True)
 
     result = compare(base, schedules, no_stashing=no_stashing, schedule_options=options, auto_plan=auto_plan,
-                     microbatches=microbatches, on_start=started, on_failure=failed,
-                     train=_cluster_train())  # [cluster] None: local runs
+                     microbatches=microbatches, on_start=started, on_failure=failed, train=train)
     ev = base.evaluation
     target = _describe_target(ev.target_accuracy, ev.target_loss)
     plots: list[str] = []
@@ -127,14 +132,6 @@ def run(args: argparse.Namespace) -> int:
     if not result.rows:
         return 1
     return 0 if not result.failures else 1
-
-
-def _cluster_train() -> Any:
-    """[cluster] The training function of an emulated cluster when this comparison was started by
-    ``pipetrain.run.on_cluster.run_on_cluster`` (each configuration across its hosts), else None."""
-    from ..run.on_cluster import current_train
-
-    return current_train()
 
 
 def _describe_target(accuracy: float | None, loss: float | None) -> str:

@@ -13,7 +13,7 @@ only when ``--output`` is given.
 
 With measured link costs (``--calibration``) and no ``--schedule``, ``--microbatches``,
 ``--straight`` or ``--stages``, the planner also chooses the schedule and the microbatches
-(:func:`pipetrain.plan.auto.choose_on_profile`, as ``train --schedule auto`` does on a profile
+(:func:`pipetrain.auto.choose.choose_on_profile`, as ``train --schedule auto`` does on a profile
 measured there): data parallelism, straight and replicated pipelines under every schedule the
 registry marks ``auto``, each simulated on the calibrated costs; the fastest is printed with
 its predicted time per minibatch and every other candidate. ``--schedule auto`` asks for it
@@ -27,14 +27,19 @@ import json
 import math
 import os
 import sys
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from ..plan import PlanOptions, baselines, parse_topology, plan
 from ..plan.cost import COST_MODELS, DEFAULT_COST_MODEL
-from ..plan.memory import SCHEDULES
+from ..plan.stage_memory import MEMORY_SCHEDULES
 from ..plan.types import Plan, Topology
 from ..profile.io import load_profile
+from ..profile.types import Profile
+
+if TYPE_CHECKING:
+    from ..cluster.calibration import Calibration
 
 
 def register(subparsers: Any) -> None:
@@ -57,7 +62,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--stages", type=int, default=None, metavar="K", help="use exactly K stages (flat topologies)")
     p.add_argument("--cost-model", default=DEFAULT_COST_MODEL, choices=COST_MODELS,
                    help=f"cost model (default {DEFAULT_COST_MODEL})")
-    p.add_argument("--schedule", default=None, choices=(*SCHEDULES, "auto"),
+    p.add_argument("--schedule", default=None, choices=(*MEMORY_SCHEDULES, "auto"),
                    help="schedule whose memory rule --memory checks (default pipedream); 'auto' (the default with "
                         "--calibration): choose the schedule and microbatches too")
     p.add_argument("--microbatches", type=int, default=None,
@@ -82,11 +87,23 @@ def _topology(args: argparse.Namespace) -> Topology:
     return parse_topology(args.workers, bandwidth, args.memory)
 
 
+@dataclass
+class _Planned:
+    """What ``pipetrain plan`` prints: the plan, the automatic choice (or None), the topology
+    and options it was planned on (also ``--compare``'s), and the calibration (or None)."""
+
+    plan: Plan
+    choice: Any
+    topology: Topology
+    options: PlanOptions
+    calibration: Calibration | None
+
+
 def _calibrated(args: argparse.Namespace, options: PlanOptions,
-                measure_at_workers: bool = False) -> tuple[Topology, PlanOptions]:
-    """The topology and options of ``--calibration``: flat, at the measured costs (the
-    calibration kept in ``args.calibration_loaded``). ``measure_at_workers``: ``measure``
-    runs with the plan's number of ranks (else 2), so the all-reduce fit is at that count."""
+                measure_at_workers: bool = False) -> tuple[Topology, PlanOptions, Calibration]:
+    """The topology and options of ``--calibration``: flat, at the measured costs, and the
+    calibration. ``measure_at_workers``: ``measure`` runs with the plan's number of ranks
+    (else 2), so the all-reduce fit is at that count."""
     from dataclasses import replace
 
     from ..plan.calibrated import calibrated_params, calibrated_topology, resolve_calibration
@@ -104,9 +121,8 @@ def _calibrated(args: argparse.Namespace, options: PlanOptions,
     workers = int(levels[0])
     cal = resolve_calibration(args.calibration, ranks=workers if measure_at_workers and workers >= 2 else 2)
     assert cal is not None  # called only when --calibration was given
-    args.calibration_loaded = cal
     topology = calibrated_topology(cal, workers, parse_topology("1", "1", args.memory).memory_per_worker)
-    return topology, replace(options, cost_params=calibrated_params(cal, options.cost_params.minibatches))
+    return topology, replace(options, cost_params=calibrated_params(cal, options.cost_params.minibatches)), cal
 
 
 def _ms(t: float | None) -> str:
@@ -143,23 +159,38 @@ def _is_auto(args: argparse.Namespace) -> bool:
             and not args.straight and args.stages is None)
 
 
-def _choose(args: argparse.Namespace, profile: Any) -> tuple[Plan, Any, Topology, PlanOptions]:
+def _choose(args: argparse.Namespace, profile: Any) -> _Planned:
     """The automatic choice on the profile: its plan (with the choice in ``extra["auto"]``),
     the choice, and the calibrated topology and options (for ``--compare``)."""
-    from ..plan.auto import choose_on_profile
+    from ..auto.choose import choose_on_profile
 
     # --microbatches is checked as the planner checks it (one line naming the flag); the
     # options serve --compare's baselines.
     options = PlanOptions(cost_model=args.cost_model, max_states=args.max_states,
                           microbatches=1 if args.microbatches is None else args.microbatches)
-    topology, options = _calibrated(args, options, measure_at_workers=True)
-    choice = choose_on_profile(profile, topology.total_workers, args.calibration_loaded,
+    topology, options, cal = _calibrated(args, options, measure_at_workers=True)
+    choice = choose_on_profile(profile, topology.total_workers, cal,
                                microbatches=args.microbatches, memory_limit=topology.memory_per_worker,
                                max_states=args.max_states)
     result = choice.best.plan
     assert result is not None  # the best candidate is runnable, so planned
     result.extra["auto"] = choice.to_json()
-    return result, choice, topology, options
+    return _Planned(result, choice, topology, options, cal)
+
+
+def _plan_for_schedule(args: argparse.Namespace, profile: Any) -> _Planned:
+    """PipeDream's plan for ``--schedule`` (default pipedream), on the calibrated costs when
+    ``--calibration`` is given, else on the bandwidths given."""
+    options = PlanOptions(straight=args.straight, cost_model=args.cost_model, num_stages=args.stages,
+                          schedule=args.schedule or "pipedream",
+                          microbatches=1 if args.microbatches is None else args.microbatches,
+                          max_states=args.max_states)
+    cal = None
+    if args.calibration is not None:
+        topology, options, cal = _calibrated(args, options)
+    else:
+        topology = _topology(args)
+    return _Planned(plan(profile, topology, options), None, topology, options, cal)
 
 
 def _simulated_data_parallel(choice: Any) -> float | None:
@@ -171,52 +202,43 @@ def _simulated_data_parallel(choice: Any) -> float | None:
     return next((c.predicted_time for c in choice.runnable if get_schedule(c.schedule).one_stage), None)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Plan ``PROFILE`` on the given topology, print the plan (table or JSON), optionally save it."""
+def _load(args: argparse.Namespace) -> Profile:
+    """``PROFILE``, with ``--batch-size`` when given."""
     profile = load_profile(args.profile)
     if args.batch_size is not None:
         if args.batch_size <= 0:
             raise PlanError(f"--batch-size {args.batch_size} must be positive")
         profile.batch_size = args.batch_size
-    choice = None
-    if _is_auto(args):
-        result, choice, topology, options = _choose(args, profile)
-    else:
-        options = PlanOptions(straight=args.straight, cost_model=args.cost_model, num_stages=args.stages,
-                              schedule=args.schedule or "pipedream",
-                              microbatches=1 if args.microbatches is None else args.microbatches,
-                              max_states=args.max_states)
-        if args.calibration is not None:
-            topology, options = _calibrated(args, options)
-        else:
-            topology = _topology(args)
-        result = plan(profile, topology, options)
-    result.batch_size = profile.batch_size
-    if args.calibration is not None:
-        from ..plan.calibrated import calibration_summary
+    return profile
 
-        result.extra["calibration"] = calibration_summary(args.calibration_loaded)  # set by _calibrated
-    base = baselines(profile, topology, args.cost_model, options.cost_params) if args.compare else {}
-    if args.output:
-        # `pipetrain simulate PLAN` finds the profile through this path, relative to the plan file.
-        result.extra["profile_path"] = os.path.relpath(os.path.abspath(args.profile),
-                                                       os.path.dirname(os.path.abspath(args.output)))
-        result.save(args.output)
-    t = (choice.best.predicted_time if choice is not None else result.predicted_time) or math.inf
-    throughput = {"minibatches_per_second": 1.0 / t if t > 0 else math.inf,
-                  "samples_per_second": profile.batch_size / t if profile.batch_size and t > 0 else None}
-    if args.json:
-        d = result.to_dict()
-        d["throughput"] = throughput
-        d["num_workers"] = result.num_workers
-        if choice is not None:
-            d["schedule"], d["microbatches"] = choice.best.schedule, choice.best.microbatches
-            d["predicted_time_per_minibatch"] = choice.best.predicted_time
-        if args.compare:
-            d["baselines"] = {name: _summary(b) for name, b in base.items()}
-        json.dump(d, sys.stdout)
-        sys.stdout.write("\n")
-        return 0
+
+def _throughput(planned: _Planned, profile: Profile) -> dict[str, float | None]:
+    """Minibatches and samples per second at the predicted time per minibatch (the simulated
+    one under the automatic choice)."""
+    choice = planned.choice
+    t = (choice.best.predicted_time if choice is not None else planned.plan.predicted_time) or math.inf
+    return {"minibatches_per_second": 1.0 / t if t > 0 else math.inf,
+            "samples_per_second": profile.batch_size / t if profile.batch_size and t > 0 else None}
+
+
+def _print_json(planned: _Planned, base: dict[str, Plan], throughput: dict[str, float | None],
+                compare: bool) -> None:
+    result, choice = planned.plan, planned.choice
+    d = result.to_dict()
+    d["throughput"] = throughput
+    d["num_workers"] = result.num_workers
+    if choice is not None:
+        d["schedule"], d["microbatches"] = choice.best.schedule, choice.best.microbatches
+        d["predicted_time_per_minibatch"] = choice.best.predicted_time
+    if compare:
+        d["baselines"] = {name: _summary(b) for name, b in base.items()}
+    json.dump(d, sys.stdout)
+    sys.stdout.write("\n")
+
+
+def _print_stages(args: argparse.Namespace, profile: Profile, planned: _Planned) -> None:
+    """The header line, one line per stage and the plan's configuration."""
+    result, topology = planned.plan, planned.topology
     levels = " x ".join(f"{lv.workers} @ {lv.bandwidth / 1e9:.4g} GB/s" for lv in topology.levels)
     print(f"plan for {profile.model or args.profile} ({len(profile)} nodes, batch {profile.batch_size or '?'}) on "
           f"{topology.total_workers} workers ({levels}), cost model {result.cost_model}")
@@ -227,8 +249,13 @@ def run(args: argparse.Namespace) -> int:
               f"{_bytes(s.memory_bytes):>13}")
     idle = result.extra.get("idle_workers")
     print(f"config: {result.config}" + (f"  ({result.extra['idle_workers']} workers idle)" if idle else ""))
+
+
+def _print_times(planned: _Planned, throughput: dict[str, float | None]) -> None:
+    """The predicted time per minibatch, the throughput, data parallelism's time and the solve."""
+    result, choice = planned.plan, planned.choice
     if choice is not None:
-        from ..plan.auto import summary_lines
+        from ..auto.choose import summary_lines
 
         print("\n".join(summary_lines(choice)))
         print(f"predicted time per minibatch: {_ms(choice.best.predicted_time)} ({choice.best.schedule} "
@@ -251,18 +278,44 @@ def run(args: argparse.Namespace) -> int:
     st = result.extra.get("states")
     if st is not None:
         print(f"solved in {result.solve_seconds:.3f} s ({st['count']} states, {st['mode']})")
+
+
+def _print_baselines(result: Plan, base: dict[str, Plan]) -> None:
+    print()
+    print(f"{'method':<14} {'config':<24} {'time/minibatch':>15} {'speedup vs DP':>14}")
+    rows = [("planner", result)] + list(base.items())
+    for name, b in rows:
+        cfg = b.config if len(b.config) <= 24 else b.config[:21] + "..."
+        print(f"{name:<14} {cfg:<24} {_ms(b.predicted_time):>15} {b.speedup_over_data_parallel or 0:>13.3f}x")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan ``PROFILE`` on the given topology, print the plan (table or JSON), optionally save it."""
+    profile = _load(args)
+    planned = _choose(args, profile) if _is_auto(args) else _plan_for_schedule(args, profile)
+    result, choice = planned.plan, planned.choice
+    result.batch_size = profile.batch_size
+    if planned.calibration is not None:
+        from ..plan.calibrated import calibration_summary
+
+        result.extra["calibration"] = calibration_summary(planned.calibration)
+    base = baselines(profile, planned.topology, args.cost_model, planned.options.cost_params) if args.compare else {}
+    if args.output:
+        # `pipetrain simulate PLAN` finds the profile through this path, relative to the plan file.
+        result.extra["profile_path"] = os.path.relpath(os.path.abspath(args.profile),
+                                                       os.path.dirname(os.path.abspath(args.output)))
+        result.save(args.output)
+    throughput = _throughput(planned, profile)
+    if args.json:
+        _print_json(planned, base, throughput, args.compare)
+        return 0
+    _print_stages(args, profile, planned)
+    _print_times(planned, throughput)
     if args.compare:
-        print()
-        print(f"{'method':<14} {'config':<24} {'time/minibatch':>15} {'speedup vs DP':>14}")
-        rows = [("planner", result)] + list(base.items())
-        for name, b in rows:
-            cfg = b.config if len(b.config) <= 24 else b.config[:21] + "..."
-            print(f"{name:<14} {cfg:<24} {_ms(b.predicted_time):>15} {b.speedup_over_data_parallel or 0:>13.3f}x")
+        _print_baselines(result, base)
     if args.output:
         print(f"plan written to {args.output}")
         if choice is not None:
             print(f"train it with: pipetrain train --plan {args.output} --schedule {choice.best.schedule} "
                   f"--microbatches {choice.best.microbatches}")
     return 0
-
-

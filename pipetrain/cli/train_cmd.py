@@ -6,10 +6,10 @@
     torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         -m pipetrain train --model gpt --config 1-1-1-1 --schedule 2bw --microbatches 4
 
-The arguments are derived from the configuration's sections (:mod:`pipetrain.runtime.config`):
+The arguments are derived from the configuration's sections (:mod:`pipetrain.job.config`):
 every field declared with a flag becomes one argument, with the field's documentation as its
 help. This module only builds the parser, turns the parsed arguments into a
-:class:`~pipetrain.runtime.config.TrainConfig` and calls :func:`pipetrain.run.train`.
+:class:`~pipetrain.job.config.TrainConfig` and calls :func:`pipetrain.run.train`.
 """
 from __future__ import annotations
 
@@ -20,8 +20,9 @@ import sys
 from typing import Any
 
 from ..errors import PipetrainError
-from ..runtime.config import AUTO, SECTIONS, Flag, TrainConfig, settings
-from ..runtime.log import setup_logging
+from ..job.config import AUTO, SECTIONS, TrainConfig
+from ..job.settings import Flag, settings
+from ..runtime.process.log import setup_logging
 
 
 def _help(fl: Flag, default: Any) -> str:
@@ -119,7 +120,7 @@ def register(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ..run.launcher import train, under_torchrun
-    from ..runtime.failures import WorkerFailure
+    from ..runtime.process.failures import WorkerFailure
 
     cfg = config_from_args(args, open_schedule=True)
     if not cfg.output.quiet:

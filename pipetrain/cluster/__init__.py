@@ -4,7 +4,7 @@
 - :mod:`.netns`: :class:`EmulatedCluster` (network namespaces, bridge, veths, tbf), cleanup.
 - :mod:`.launch`: one torchrun agent per emulated host (:func:`launch_torchrun`).
 - :mod:`.calibration`: the calibration file format and the least-squares fit.
-- :mod:`.calibrate`: measuring point-to-point and all-reduce costs with gloo.
+- :mod:`.measure`: measuring point-to-point and all-reduce costs with gloo.
 - :mod:`.delay`: the per-message delay model ``latency + bytes / bandwidth``.
 
 See docs/cluster.md.

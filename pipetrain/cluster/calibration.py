@@ -35,12 +35,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .errors import CalibrationError
-
-if TYPE_CHECKING:
-    from ..plan.types import Topology
 
 __all__ = ["CALIBRATION_FORMAT", "CALIBRATION_VERSION", "LinkFit", "Sample", "Calibration", "fit_link",
            "load_calibration"]
@@ -125,13 +122,6 @@ class Calibration:
         algorithm bandwidth * 2 (n-1) / n."""
         n = self.allreduce_ranks
         return self.allreduce.bandwidth_bytes_per_second * (2 * (n - 1) / n if n > 1 else 1.0)
-
-    def topology(self, workers: int, memory_per_worker: float | None = None) -> Topology:
-        """A flat :class:`pipetrain.plan.types.Topology` of ``workers`` joined at the measured
-        point-to-point bandwidth (bytes/s), for ``pipetrain.plan.plan``."""
-        from ..plan.types import Topology
-
-        return Topology.flat(workers, self.p2p.bandwidth_bytes_per_second, memory_per_worker)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

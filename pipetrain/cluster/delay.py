@@ -17,7 +17,7 @@ Two uses:
 Semantics and limits (not a network model): the delay is paid by the *sender's* thread before
 the message is posted, so messages from one sender are serialised by it (a real link would
 overlap the latency of consecutive messages); it is wall-clock sleep, so it shows up as idle
-time, not CPU. The runtime's send path (``runtime/comm.py``) does not call it yet.
+time, not CPU. The runtime's send path (``runtime/engine/comm.py``) does not call it yet.
 
 Environment (read by :meth:`MessageDelay.from_env`): ``PIPETRAIN_LINK_LATENCY`` seconds,
 ``PIPETRAIN_LINK_BANDWIDTH`` bits per second (optional; same syntax as ``--bandwidth``).

@@ -1,6 +1,6 @@
 """One rank of a calibration: gloo ping-pong and all-reduce timings (run as a script).
 
-Started by :func:`pipetrain.cluster.calibrate.calibrate` as ``python PATH/gloo_probe.py
+Started by :func:`pipetrain.cluster.measure.calibrate` as ``python PATH/gloo_probe.py
 --rank R --world N --master HOST:PORT``. It imports only the standard library and torch (not
 the pipetrain package), so it starts fast. Rank 0 prints one JSON line
 ``{"samples": [{"kind", "bytes", "seconds", "reps", "median_seconds"}, ...]}``.

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import ClusterError
-from .netns import EmulatedCluster, _kill_pids, namespace_pids
+from .netns import EmulatedCluster, kill_pids, namespace_pids
 
 __all__ = ["AgentResult", "ClusterRunResult", "launch_torchrun", "agent_command", "RUN_MARK"]
 
@@ -222,7 +222,7 @@ def _end_run(cluster: EmulatedCluster, run_id: str, procs: Sequence[subprocess.P
         left = marked_pids(cluster, run_id) + [p.pid for p in procs if p.poll() is None]
         if not left:
             break
-        _kill_pids(sorted(set(left)), grace=1.0)
+        kill_pids(sorted(set(left)), grace=1.0)
     for p in procs:
         try:
             p.wait(timeout=5)

@@ -41,7 +41,7 @@ from .errors import ClusterError, ClusterUnavailable
 from .names import MTU, ClusterLayout, TbfParams, new_cluster_id, parse_namespace, parse_rate, tbf_params
 
 __all__ = ["EmulatedCluster", "unavailable_reason", "list_namespaces", "list_clusters", "cluster_info",
-           "remove_cluster", "remove_leftovers", "namespace_pids"]
+           "remove_cluster", "remove_leftovers", "namespace_pids", "kill_pids"]
 
 log = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def namespace_pids(ns: str) -> list[int]:
     return [int(t) for t in out.split() if t.isdigit()]
 
 
-def _kill_pids(pids: Sequence[int], grace: float = 2.0) -> None:
+def kill_pids(pids: Sequence[int], grace: float = 2.0) -> None:
     """SIGTERM, then SIGKILL after ``grace`` seconds, each of ``pids`` (and its process group
     if it leads one)."""
     def send(sig: int) -> None:
@@ -177,7 +177,7 @@ def remove_cluster(namespaces: Sequence[str]) -> None:
         pids = [p for ns in nss for p in namespace_pids(ns)]
         if not pids:
             break
-        _kill_pids(pids)
+        kill_pids(pids)
     errors = []
     for ns in nss:
         p = _ip(["netns", "del", ns], check=False)
@@ -396,7 +396,7 @@ class EmulatedCluster:
         """End every process in the cluster's namespaces and delete them (idempotent)."""
         try:
             live = [p for p in self._procs if p.poll() is None]
-            _kill_pids([p.pid for p in live], grace=1.0)
+            kill_pids([p.pid for p in live], grace=1.0)
             for p in live:
                 try:
                     p.wait(timeout=5)
@@ -436,7 +436,7 @@ class EmulatedCluster:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            _kill_pids([p.pid], grace=0.5)
+            kill_pids([p.pid], grace=0.5)
             p.communicate()
             raise
         done = subprocess.CompletedProcess(p.args, p.returncode, out, err)

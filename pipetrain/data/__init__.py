@@ -14,14 +14,14 @@ How a pipeline run uses it::
 
 Modules: :mod:`~.source` (DataSource, ArrayDataset), :mod:`~.registry` (load_data),
 :mod:`~.digits`, :mod:`~.fashion` (+ :mod:`~.idx`), :mod:`~.text`, :mod:`~.user`,
-:mod:`~.sampler`, :mod:`~.loader`, :mod:`~.evaluation`, :mod:`~.loss`, :mod:`~.metrics`,
+:mod:`~.sampler`, :mod:`~.loader`, :mod:`~.eval_batches`, :mod:`~.loss`, :mod:`~.metrics`,
 :mod:`~.adapt`.
 """
 from __future__ import annotations
 
 from ..models.output import output_logits
 from .adapt import check_fits, model_options_for
-from .evaluation import EvalBatch, EvalBatches
+from .eval_batches import EvalBatch, EvalBatches
 from .loader import UnitLoader, gather, suggested_workers
 from .loss import CrossEntropy, MeanSquaredError, loss_for, loss_for_bundle
 from .metrics import correct_count, loss_sum, token_loss_sum

@@ -133,6 +133,10 @@ class UnitLoader:
         """Samples per minibatch."""
         return self.sampler.batch_size
 
+    def cached_batches(self) -> list[Batch]:
+        """The units' batches this loader holds now (what the tensor ledger counts as data)."""
+        return list(self._cache.values())
+
     def step_of(self, unit: int) -> int:
         """The minibatch (global step) a unit belongs to."""
         return self.step_offset + unit // self.m

@@ -2,7 +2,7 @@
 
 Every function takes the model's output as it comes and an optional ``count``: only the
 first ``count`` samples of the batch are real (the rest is padding, see
-:class:`~pipetrain.data.evaluation.EvalBatches`), so summing over an epoch's eval batches counts
+:class:`~pipetrain.data.eval_batches.EvalBatches`), so summing over an epoch's eval batches counts
 every eval sample exactly once. The run's accumulator over batches and ranks is
 :class:`pipetrain.metrics.EvalAccumulator` (it takes the same ``count``).
 """

@@ -21,7 +21,7 @@ from typing import Any
 from torch.utils.data import IterableDataset
 
 from ..errors import DataError, PipetrainError
-from ..models.loader import _import_module
+from ..models.loader import import_user_module
 from .source import DataSource, as_item, describe_value, source_from_example
 
 __all__ = ["FACTORY_FORM", "load_factory"]
@@ -39,7 +39,7 @@ def _import(spec: str) -> Callable[..., Any]:
     if not module_name or not func_name or ":" in func_name:
         raise DataError(f"data spec {spec!r} must be {FACTORY_FORM}, e.g. 'mypkg.data:make_datasets'")
     try:
-        module = _import_module(module_name)
+        module = import_user_module(module_name)
     except Exception as exc:  # ImportError, or any error raised while the module runs
         raise DataError(f"cannot import module {module_name!r} of data spec {spec!r} ({_first_line(exc)}); check "
                         f"the module name and that its directory is on PYTHONPATH") from None

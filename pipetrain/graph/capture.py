@@ -79,7 +79,7 @@ class SharedParameter:
 
     Its bytes are counted once, at ``nodes[0]``. A pipeline cut between two of ``nodes``
     puts the tensor on two stages: the runtime keeps a copy on each and sums their
-    gradients at every step (:mod:`pipetrain.runtime.tied`; synchronous schedules only).
+    gradients at every step (:mod:`pipetrain.stages.tied`; synchronous schedules only).
 
     Attributes:
         names: qualified names (``lm_head.weight``) under which the model holds the tensor.
@@ -465,104 +465,133 @@ def _same_output(a: Any, b: Any) -> bool:
 # --------------------------------------------------------------------------- graph building
 
 
-def _build(model: nn.Module, gm: torch.fx.GraphModule, method: str,
-           metas: dict[str, list[TensorMeta]]) -> CapturedModel:
-    """Turn a cleaned GraphModule and its metas into a CapturedModel (bytes counted once)."""
-    # Canonical identity of a tensor = the model's own tensor of that qualified name (export
-    # may hold its own objects; fx shares the model's).
-    model_by_name = dict(_named_tensors(model))
-    names_of: dict[int, list[str]] = {}
-    for name, t in model_by_name.items():
-        names_of.setdefault(id(t), []).append(name)
+class _ParameterReads:
+    """Which layer nodes read each model parameter or buffer, in topological order.
 
-    def canonical(qualname: str, t: torch.Tensor) -> torch.Tensor:
-        return model_by_name.get(qualname, t)
+    A tensor's identity is the model's own tensor of that qualified name (export may hold
+    its own objects; fx shares the model's).
+    """
 
-    readers: dict[int, list[str]] = {}      # tensor id -> layer nodes reading it (topo order)
-    tensors: dict[int, torch.Tensor] = {}
-    folded: dict[str, list[str]] = {}
-    nodes: list[LayerNode] = []
-    gm_nodes = list(gm.graph.nodes)
-    attr_tensor: dict[str, tuple[str, torch.Tensor] | None] = {}
-    for n in gm_nodes:
-        if n.op == "get_attr":
-            folded[n.name] = []
-            val: torch.Tensor | None
-            try:
-                val = gm.get_parameter(str(n.target))
-            except AttributeError:
-                try:
-                    val = gm.get_buffer(str(n.target))
-                except AttributeError:
-                    val = None  # a constant or a submodule: not a model parameter
-            attr_tensor[n.name] = (str(n.target), val) if isinstance(val, torch.Tensor) else None
+    def __init__(self, model: nn.Module, gm: torch.fx.GraphModule) -> None:
+        self.model_by_name = dict(_named_tensors(model))
+        self.names_of: dict[int, list[str]] = {}
+        for name, t in self.model_by_name.items():
+            self.names_of.setdefault(id(t), []).append(name)
+        self.readers: dict[int, list[str]] = {}      # tensor id -> layer nodes reading it (topo order)
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.folded: dict[str, list[str]] = {}       # get_attr node -> layer nodes reading it
+        self.attr_tensor: dict[str, tuple[str, torch.Tensor] | None] = {}
+        for n in gm.graph.nodes:
+            if n.op == "get_attr":
+                self.folded[n.name] = []
+                self.attr_tensor[n.name] = _attribute_tensor(gm, str(n.target))
 
-    def note_read(node_name: str, qualname: str, t: torch.Tensor) -> None:
-        c = canonical(qualname, t)
-        if id(c) not in names_of:
+    def read(self, node_name: str, qualname: str, t: torch.Tensor) -> None:
+        c = self.model_by_name.get(qualname, t)
+        if id(c) not in self.names_of:
             return  # not one of the model's parameters/buffers (a lifted constant)
-        tensors[id(c)] = c
-        lst = readers.setdefault(id(c), [])
+        self.tensors[id(c)] = c
+        lst = self.readers.setdefault(id(c), [])
         if node_name not in lst:
             lst.append(node_name)
 
-    for n in gm_nodes:
-        if n.op in ("get_attr", "output"):
-            continue
-        if n.op == "placeholder":
-            kind, target = "input", str(n.target)
-        elif n.op == "call_module":
-            kind, target = "module", str(n.target)
-            for qn, t in _named_tensors(gm.get_submodule(target), prefix=target):
-                note_read(n.name, qn, t)
-        else:
-            kind, target = "function", _function_target(n)
-        inputs: list[str] = []
-        for src in n.all_input_nodes:
-            if src.op == "get_attr":
-                folded[src.name].append(n.name)
-                info = attr_tensor.get(src.name)
-                if info is not None:
-                    note_read(n.name, info[0], info[1])
-            else:
-                inputs.append(src.name)
-        nodes.append(LayerNode(
-            name=n.name, op=node_op_name(n, gm), kind=kind, inputs=inputs,
-            outputs=list(metas.get(n.name, [])), parameter_bytes=0, target=target,
-        ))
+    def read_module(self, node_name: str, module: nn.Module, target: str) -> None:
+        for qn, t in _named_tensors(module, prefix=target):
+            self.read(node_name, qn, t)
 
+    def read_attribute(self, node_name: str, attr_node: str) -> None:
+        self.folded[attr_node].append(node_name)
+        info = self.attr_tensor.get(attr_node)
+        if info is not None:
+            self.read(node_name, info[0], info[1])
+
+
+def _attribute_tensor(gm: torch.fx.GraphModule, target: str) -> tuple[str, torch.Tensor] | None:
+    """``(qualified name, tensor)`` of the parameter or buffer ``target``; None for anything else."""
+    val: torch.Tensor | None
+    try:
+        val = gm.get_parameter(target)
+    except AttributeError:
+        try:
+            val = gm.get_buffer(target)
+        except AttributeError:
+            val = None  # a constant or a submodule: not a model parameter
+    return (target, val) if isinstance(val, torch.Tensor) else None
+
+
+def _layer_node(n: torch.fx.Node, gm: torch.fx.GraphModule, metas: dict[str, list[TensorMeta]],
+                reads: _ParameterReads) -> LayerNode:
+    """The LayerNode of gm node ``n`` (not ``get_attr``/``output``), noting what it reads."""
+    if n.op == "placeholder":
+        kind, target = "input", str(n.target)
+    elif n.op == "call_module":
+        kind, target = "module", str(n.target)
+        reads.read_module(n.name, gm.get_submodule(target), target)
+    else:
+        kind, target = "function", _function_target(n)
+    inputs: list[str] = []
+    for src in n.all_input_nodes:
+        if src.op == "get_attr":
+            reads.read_attribute(n.name, src.name)
+        else:
+            inputs.append(src.name)
+    return LayerNode(
+        name=n.name, op=node_op_name(n, gm), kind=kind, inputs=inputs,
+        outputs=list(metas.get(n.name, [])), parameter_bytes=0, target=target,
+    )
+
+
+def _charge_read_tensors(nodes: list[LayerNode], reads: _ParameterReads,
+                         node_params: dict[str, list[str]]) -> list[SharedParameter]:
+    """Count each read tensor at its first reader; returns those read by several nodes."""
     by_name = {ln.name: ln for ln in nodes}
-    node_params: dict[str, list[str]] = {}
     shared: list[SharedParameter] = []
-    for tid, rs in readers.items():
-        t = tensors[tid]
+    for tid, rs in reads.readers.items():
+        t = reads.tensors[tid]
         owner = by_name[rs[0]]
         owner.parameter_bytes += _tensor_bytes(t)
-        node_params.setdefault(owner.name, []).extend(names_of[tid][:1])
+        node_params.setdefault(owner.name, []).extend(reads.names_of[tid][:1])
         if len(rs) > 1 and _tensor_bytes(t) > 0:
-            shared.append(SharedParameter(list(names_of[tid]), list(rs), _tensor_bytes(t)))
+            shared.append(SharedParameter(list(reads.names_of[tid]), list(rs), _tensor_bytes(t)))
+    return shared
 
-    # Parameters no node reads still belong to the model (and to its optimizer state):
-    # count them at the first compute node so that byte totals stay exact.
+
+def _charge_unused_tensors(nodes: list[LayerNode], reads: _ParameterReads,
+                           node_params: dict[str, list[str]]) -> list[str]:
+    """Count the tensors no node reads at the first compute node; returns their names.
+
+    They still belong to the model (and to its optimizer state), so byte totals stay exact.
+    """
     unused: list[str] = []
     seen_ids: set[int] = set()
     holder = next((ln for ln in nodes if not ln.is_input), nodes[0] if nodes else None)
-    for name, t in model_by_name.items():
-        if id(t) in readers or id(t) in seen_ids:
+    for name, t in reads.model_by_name.items():
+        if id(t) in reads.readers or id(t) in seen_ids:
             continue
         seen_ids.add(id(t))
         unused.append(name)
         if holder is not None:
             holder.parameter_bytes += _tensor_bytes(t)
             node_params.setdefault(holder.name, []).append(name)
+    return unused
 
+
+def _build(model: nn.Module, gm: torch.fx.GraphModule, method: str,
+           metas: dict[str, list[TensorMeta]]) -> CapturedModel:
+    """Turn a cleaned GraphModule and its metas into a CapturedModel (bytes counted once)."""
+    reads = _ParameterReads(model, gm)
+    gm_nodes = list(gm.graph.nodes)
+    nodes = [_layer_node(n, gm, metas, reads) for n in gm_nodes if n.op not in ("get_attr", "output")]
+    node_params: dict[str, list[str]] = {}
+    shared = _charge_read_tensors(nodes, reads, node_params)
+    unused = _charge_unused_tensors(nodes, reads, node_params)
     output_node = next(n for n in reversed(gm_nodes) if n.op == "output")
     outputs = [s.name for s in output_node.all_input_nodes if s.op != "get_attr"]
     input_names = [n.name for n in gm_nodes if n.op == "placeholder"]
     graph = LayerGraph(nodes=nodes, outputs=outputs)
     return CapturedModel(
         graph=graph, gm=gm, method=method, input_names=input_names, output_names=list(outputs),
-        shared_parameters=shared, node_parameters=node_params, folded_attributes=folded,
+        shared_parameters=shared, node_parameters=node_params, folded_attributes=reads.folded,
         unused_parameters=unused,
     )
 

@@ -4,7 +4,7 @@ The pieces, each in its own module, independent of the distributed runtime:
 
 - :mod:`.records`: :class:`EvalResult` (one evaluation) and :class:`TrainPoint` (one training
   log point), torch-free records;
-- :mod:`.evaluation`: :class:`EvalAccumulator`, exact sums over eval batches (independent of
+- :mod:`.accumulate`: :class:`EvalAccumulator`, exact sums over eval batches (independent of
   batching, mergeable over ranks);
 - :mod:`.clock`: :class:`TrainClock`, training wall time that pauses during evaluation;
 - :mod:`.target`: :class:`TargetTracker`, time/epochs/steps to a target accuracy or loss;
@@ -39,9 +39,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from .accumulate import EvalAccumulator, task_kind_of
 from .clock import TrainClock
 from .compare import ROW_KEYS, CompareRow, format_table, rows_to_json
-from .evaluation import EvalAccumulator, task_kind_of
 from .logger import MetricsLogger, prepare_log_dir, read_metrics, write_run_files
 from .progress import Progress
 from .records import TASK_KINDS, EvalResult, TaskKind, TrainPoint

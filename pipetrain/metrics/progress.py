@@ -12,7 +12,7 @@ logger at INFO level instead,
     step 126/300 (epoch 1.26): loss 0.312100, accuracy 0.9120 (last eval), 387.2 samples/s, ETA 0:14
 
 and every evaluation logs one line too (in bar mode it is printed above the bar). The CLI
-routes the ``pipetrain`` loggers (:func:`pipetrain.runtime.log.setup_logging`: stderr under
+routes the ``pipetrain`` loggers (:func:`pipetrain.runtime.process.log.setup_logging`: stderr under
 ``--json``).
 """
 from __future__ import annotations

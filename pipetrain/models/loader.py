@@ -41,7 +41,7 @@ def _first_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
 
 
-def _import_module(module_name: str) -> ModuleType:
+def import_user_module(module_name: str) -> ModuleType:
     """Import ``module_name``; if its top-level package is not found, look in the current
     directory too (as ``python -m`` would): the ``pipetrain`` console script does not put
     the working directory on ``sys.path``, yet ``--model mymodel:make`` in a project
@@ -63,7 +63,7 @@ def _import_factory(spec: str) -> Callable[..., Any]:
     if not module_name or not func_name or ":" in func_name:
         raise ModelError(f"model spec {spec!r} must be {SPEC_FORMAT}, e.g. 'mypkg.models:make_model'")
     try:
-        module = _import_module(module_name)
+        module = import_user_module(module_name)
     except Exception as exc:  # ImportError, or any error raised while the module runs
         raise ModelError(
             f"cannot import module {module_name!r} of model spec {spec!r} ({_first_line(exc)}); "

@@ -12,12 +12,12 @@ from __future__ import annotations
 from .api import PlanOptions, plan
 from .baselines import balanced_by_parameters, balanced_by_time, baselines, data_parallel_plan, uniform_plan
 from .cost import COST_MODELS, CostParams, data_parallel_time, evaluate, evaluate_detail
-from .memory import SCHEDULES, stage_memory
+from .stage_memory import MEMORY_SCHEDULES, stage_memory
 from .topology import parse_quantity, parse_topology
 from .types import Level, Plan, Stage, Topology
 
 __all__ = [
-    "COST_MODELS", "SCHEDULES", "CostParams", "Level", "Plan", "PlanOptions", "Stage", "Topology",
+    "COST_MODELS", "MEMORY_SCHEDULES", "CostParams", "Level", "Plan", "PlanOptions", "Stage", "Topology",
     "balanced_by_parameters", "balanced_by_time", "baselines", "data_parallel_plan", "data_parallel_time",
     "evaluate", "evaluate_detail", "parse_quantity", "parse_topology", "plan", "stage_memory", "uniform_plan",
 ]

@@ -18,8 +18,8 @@ from ..errors import PlanError
 from ..profile.types import Profile
 from .cost import DEFAULT_COST_MODEL, CostParams, data_parallel_time, evaluate_detail, get_cost_model
 from .dag import Dag, States, build_states, coarsen
-from .memory import SCHEDULES, MemoryModel, stage_memory
 from .partition import Problem, fill_idle, hierarchy_dict, leaves, solve
+from .stage_memory import MEMORY_SCHEDULES, MemoryModel, stage_memory
 from .topology import check_topology
 from .types import Plan, Stage, Topology
 
@@ -63,8 +63,8 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         get_cost_model(self.cost_model)  # validates the name
-        if self.schedule not in SCHEDULES:
-            raise PlanError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
+        if self.schedule not in MEMORY_SCHEDULES:
+            raise PlanError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(MEMORY_SCHEDULES)}")
         if self.num_stages is not None and (not _is_int(self.num_stages) or self.num_stages < 1):
             raise PlanError(f"num_stages (--stages) must be an integer >= 1 or None, got {self.num_stages!r}; "
                             f"pass e.g. 4, or None to let the planner choose")
@@ -219,7 +219,7 @@ def _memory_needed(prob: Problem) -> float:
 
 def solve_feasible(prob: Problem) -> bool:
     """Whether any plan (any time) meets the memory limit of ``prob``."""
-    from .partition import TAU_INF, _feasible, prepare, top_level
+    from .partition import TAU_INF, feasible, prepare, top_level
 
     tables, E, BwE = prepare(prob)
-    return _feasible(prob, top_level(prob, E, BwE), TAU_INF) is not None
+    return feasible(prob, top_level(prob, E, BwE), TAU_INF) is not None

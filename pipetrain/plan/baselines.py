@@ -79,7 +79,7 @@ def _finish(profile: Profile, topology: Topology, stages: list[Stage], method: s
     for k, s in enumerate(stages):
         s.compute_time = sum(profile[n].compute_time for n in s.nodes if not profile[n].is_input)
         s.sync_time = ev.sync[k]
-    from .memory import stage_memory
+    from .stage_memory import stage_memory
 
     for s, m in zip(stages, stage_memory(profile, stages)):
         s.memory_bytes = m

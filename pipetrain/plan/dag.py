@@ -59,7 +59,7 @@ class Dag:
     def from_profile(profile: Profile) -> Dag:
         """Build the arrays (in a topological order); PlanError if the graph has a cycle."""
         from ..errors import ProfileError
-        from ..profile.io import topological_nodes
+        from ..profile.checks import topological_nodes
 
         try:
             ordered = topological_nodes(profile.nodes, f"profile {profile.model!r}")

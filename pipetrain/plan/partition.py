@@ -51,7 +51,7 @@ import numpy as np
 from ..errors import PlanError
 from .cost import CostModel, LevelCtx
 from .dag import Dag, States
-from .memory import MemoryModel, max_units_array
+from .stage_memory import MemoryModel, max_units_array
 from .topology import unit_workers
 from .types import Topology
 
@@ -262,58 +262,73 @@ def _with_memory(ok1: np.ndarray, m2: np.ndarray, q: np.ndarray | None, Wz: np.n
     return np.where(one, 1.0, np.maximum(np.maximum(m2, r_mem), 2.0))
 
 
-def _feasible(prob: Problem, top: TopLevel, tau: float, tiebreak: bool = False) -> list[tuple[int, int, int]] | None:
+def feasible(prob: Problem, top: TopLevel, tau: float, tiebreak: bool = False) -> list[tuple[int, int, int]] | None:
     """A plan with every term ``<= tau`` and at most N outermost units, or None.
 
     Returns the outermost elements ``(a, z, replicas)``. With ``tiebreak`` the suffix of each
     state is the lexicographically least (units, stages, cut bytes); otherwise least units.
     """
+    ok1, m2 = _replicas(prob, top, tau, exact=tiebreak)
+    if prob.num_stages is None:
+        return _feasible_any_stages(prob, top, ok1, m2, tiebreak)
+    return _feasible_exact_stages(prob, top, ok1, m2, tiebreak, prob.num_stages)
+
+
+def _feasible_any_stages(prob: Problem, top: TopLevel, ok1: np.ndarray, m2: np.ndarray,
+                         tiebreak: bool) -> list[tuple[int, int, int]] | None:
+    """:func:`feasible` for any number of stages: ``W[a]`` = least units covering the suffix of ``a``."""
     st = prob.states
     K = st.k
     N = prob.budgets[-1]
-    ok1, m2 = _replicas(prob, top, tau, exact=tiebreak)
-    S = prob.num_stages
     cut = st.cut
-    if S is None:
-        W = np.full(K, np.inf)
-        W[K - 1] = 0.0
-        nst = np.zeros(K)
-        byt = np.zeros(K)
-        choice = np.full(K, -1, dtype=np.int64)
-        reps = np.zeros(K, dtype=np.int64)
-        for a in range(K - 2, -1, -1):
-            lo, hi = top.starts[a], top.starts[a + 1]
-            if lo == hi:
-                continue
-            zs = top.pz[lo:hi]
-            r = _with_memory(ok1[lo:hi], m2[lo:hi], None if top.Q is None else top.Q[lo:hi], W[zs])
-            tot = r + W[zs]
-            best = tot.min()
-            if not best <= N:
-                continue
-            if tiebreak:
-                cand = np.nonzero(tot == best)[0]
-                s = nst[zs[cand]]
-                cand = cand[s == s.min()]
-                b = byt[zs[cand]] + np.where(zs[cand] == K - 1, 0.0, cut[zs[cand]])
-                i = int(cand[np.argmin(b)])
-                byt[a] = b.min()
-            else:
-                i = int(np.argmin(tot))
-            W[a] = best
-            choice[a] = lo + i
-            reps[a] = int(r[i])
-            nst[a] = nst[zs[i]] + 1
-        if not W[0] <= N:
-            return None
-        out = []
-        a = 0
-        while a != K - 1:
-            p = choice[a]
-            out.append((a, int(top.pz[p]), int(reps[a])))
-            a = int(top.pz[p])
-        return out
-    # exactly S stages: W[a, s] = least units covering the suffix of a with s stages
+    W = np.full(K, np.inf)
+    W[K - 1] = 0.0
+    nst = np.zeros(K)
+    byt = np.zeros(K)
+    choice = np.full(K, -1, dtype=np.int64)
+    reps = np.zeros(K, dtype=np.int64)
+    for a in range(K - 2, -1, -1):
+        lo, hi = top.starts[a], top.starts[a + 1]
+        if lo == hi:
+            continue
+        zs = top.pz[lo:hi]
+        r = _with_memory(ok1[lo:hi], m2[lo:hi], None if top.Q is None else top.Q[lo:hi], W[zs])
+        tot = r + W[zs]
+        best = tot.min()
+        if not best <= N:
+            continue
+        if tiebreak:
+            cand = np.nonzero(tot == best)[0]
+            s = nst[zs[cand]]
+            cand = cand[s == s.min()]
+            b = byt[zs[cand]] + np.where(zs[cand] == K - 1, 0.0, cut[zs[cand]])
+            i = int(cand[np.argmin(b)])
+            byt[a] = b.min()
+        else:
+            i = int(np.argmin(tot))
+        W[a] = best
+        choice[a] = lo + i
+        reps[a] = int(r[i])
+        nst[a] = nst[zs[i]] + 1
+    if not W[0] <= N:
+        return None
+    out = []
+    a = 0
+    while a != K - 1:
+        p = choice[a]
+        out.append((a, int(top.pz[p]), int(reps[a])))
+        a = int(top.pz[p])
+    return out
+
+
+def _feasible_exact_stages(prob: Problem, top: TopLevel, ok1: np.ndarray, m2: np.ndarray, tiebreak: bool,
+                           S: int) -> list[tuple[int, int, int]] | None:
+    """:func:`feasible` with exactly ``S`` stages: ``W[a, s]`` = least units covering the
+    suffix of ``a`` with ``s`` stages."""
+    st = prob.states
+    K = st.k
+    N = prob.budgets[-1]
+    cut = st.cut
     W2 = np.full((K, S + 1), np.inf)
     W2[K - 1, 0] = 0.0
     byt2 = np.zeros((K, S + 1))
@@ -395,7 +410,7 @@ def solve(prob: Problem) -> Solution | None:
     """The optimal plan (up to ``rel_tol``), or None if no plan meets the memory limit."""
     tables, E, BwE = prepare(prob)
     top = top_level(prob, E, BwE)
-    elems = _feasible(prob, top, TAU_INF)
+    elems = feasible(prob, top, TAU_INF)
     steps = 1
     if elems is None:
         return None
@@ -405,7 +420,7 @@ def solve(prob: Problem) -> Solution | None:
     best = elems
     if lo <= 0.0:
         # zero-compute corner: try zero, else search from a tiny positive limit
-        e0 = _feasible(prob, top, 0.0)
+        e0 = feasible(prob, top, 0.0)
         steps += 1
         if e0 is not None:
             best, hi = e0, _value(prob, top, E, BwE, e0)
@@ -414,14 +429,14 @@ def solve(prob: Problem) -> Solution | None:
         mid = math.sqrt(lo * hi) if hi / lo > 4.0 else 0.5 * (lo + hi)
         if not lo < mid < hi:
             break
-        e = _feasible(prob, top, mid)
+        e = feasible(prob, top, mid)
         steps += 1
         if e is None:
             lo = mid
         else:
             best = e
             hi = _value(prob, top, E, BwE, e)
-    final = _feasible(prob, top, hi, tiebreak=True)
+    final = feasible(prob, top, hi, tiebreak=True)
     steps += 1
     if final is not None and _value(prob, top, E, BwE, final) <= hi:
         best = final

@@ -25,7 +25,7 @@ import re
 from pathlib import Path
 
 from ..errors import ProfileError
-from .io import check_costs, topological_nodes
+from .checks import check_costs, topological_nodes
 from .types import NodeProfile, Profile
 
 #: Bytes of one ImageNet sample (3x224x224 fp32); used to infer the minibatch size.
@@ -49,6 +49,119 @@ def _number(text: str) -> float:
     return float(text)
 
 
+class _Line:
+    """One non-blank line of the file: its text and where it is, for error messages."""
+
+    def __init__(self, source: str, number: int, text: str) -> None:
+        self.source = source
+        self.number = number
+        self.text = text
+
+    @property
+    def where(self) -> str:
+        return f"{self.source}:{self.number}"
+
+    def unparseable(self, why: str) -> ProfileError:
+        return ProfileError(
+            f"{self.where}: cannot parse line {self.text.strip()[:120]!r} ({why}); expected "
+            f"'ID -- DESCRIPTION -- forward_compute_time=MS, backward_compute_time=MS, activation_size=BYTES, "
+            f"parameter_size=BYTES' or a tab-indented edge 'ID -- ID'; fix the file"
+        )
+
+
+def _read_costs(line: _Line, metrics: str) -> dict[str, float]:
+    """The ``name=value`` costs of a node line, every one of :data:`_METRICS` present."""
+    values: dict[str, float] = {}
+    for item in metrics.split(","):
+        m = _METRIC_RE.match(item)
+        if not m:
+            raise line.unparseable(f"cannot read the cost {item.strip()!r}")
+        try:
+            values[m.group(1)] = _number(m.group(2))
+        except ValueError:
+            raise line.unparseable(f"cannot read the number in {item.strip()!r}") from None
+    missing = [k for k in _METRICS if k not in values]
+    if missing:
+        raise line.unparseable(f"missing {', '.join(missing)}")
+    return values
+
+
+def _node_of_line(line: _Line, parts: list[str]) -> NodeProfile:
+    """The node of a node line split at ``' -- '`` (times converted from ms to s)."""
+    if len(parts) < 3:
+        raise line.unparseable("a node line has an id, a description and the costs, separated by ' -- '")
+    nid, desc, metrics = parts[0], " -- ".join(parts[1:-1]), parts[-1]
+    if not _ID_RE.match(nid):
+        raise line.unparseable(f"node id {nid!r} contains spaces")
+    values = _read_costs(line, metrics)
+    for k in _METRICS:
+        if not values[k] >= 0 or values[k] == float("inf"):
+            raise ProfileError(
+                f"{line.where}: node {nid!r} has {k}={values[k]!r}; "
+                "times and sizes must be finite numbers >= 0; fix the profile"
+            )
+    return NodeProfile(
+        name=nid, op=desc,
+        forward_time=values["forward_compute_time"] / 1000.0,
+        backward_time=values["backward_compute_time"] / 1000.0,
+        activation_bytes=int(round(values["activation_size"])),
+        parameter_bytes=int(round(values["parameter_size"])),
+        kind="input" if desc.startswith("Input") else "module",
+    )
+
+
+def _read_lines(text: str, source: str) -> tuple[dict[str, NodeProfile], list[tuple[str, str]]]:
+    """The file's nodes (by id, in file order) and its edges ``(src, dst)``."""
+    nodes: dict[str, NodeProfile] = {}
+    edges: list[tuple[str, str]] = []
+    for lineno, text_line in enumerate(text.splitlines(), start=1):
+        if not text_line.strip():
+            continue
+        line = _Line(source, lineno, text_line)
+        parts = text_line.strip().split(" -- ")
+        if text_line[0] in " \t":  # an edge line
+            if len(parts) != 2 or not all(_ID_RE.match(p) for p in parts):
+                raise line.unparseable("an indented line must be an edge 'SRC -- DST'")
+            edges.append((parts[0], parts[1]))
+            continue
+        node = _node_of_line(line, parts)
+        if node.name in nodes:
+            raise ProfileError(f"{line.where}: node id {node.name!r} appears twice; ids must be unique; "
+                               "remove or rename one")
+        check_costs(node, line.where)
+        nodes[node.name] = node
+    return nodes, edges
+
+
+def _connect(nodes: dict[str, NodeProfile], edges: list[tuple[str, str]], source: str) -> set[str]:
+    """Add the edges to their destinations' inputs, except into dropped ``__getitem__`` sinks;
+    returns the dropped ids."""
+    for src, dst in edges:
+        for end in (src, dst):
+            if end not in nodes:
+                raise ProfileError(
+                    f"{source}: edge {src} -- {dst} names node {end!r}, which has no node line; "
+                    "add the node or remove the edge"
+                )
+    has_out = {src for src, _ in edges}
+    dropped = {n for n in nodes if n not in has_out and nodes[n].op.startswith("__getitem__")}
+    for src, dst in edges:
+        if dst in dropped:
+            continue
+        if src not in nodes[dst].inputs:
+            nodes[dst].inputs.append(src)
+    return dropped
+
+
+def _imagenet_batch_size(nodes: list[NodeProfile]) -> int | None:
+    """The batch size of a model with one input node of whole ImageNet samples, else None."""
+    inputs = [n for n in nodes if n.is_input]
+    if (len(inputs) == 1 and inputs[0].activation_bytes > 0
+            and inputs[0].activation_bytes % IMAGENET_SAMPLE_BYTES == 0):
+        return inputs[0].activation_bytes // IMAGENET_SAMPLE_BYTES
+    return None
+
+
 def parse_pipedream_txt(text: str, source: str = "<string>", model: str = "",
                         batch_size: int | None = None) -> Profile:
     """Parse PipeDream profile text into a Profile (see the module docstring for the rules).
@@ -63,92 +176,18 @@ def parse_pipedream_txt(text: str, source: str = "<string>", model: str = "",
         ProfileError: an unparseable line (with its number and content), a duplicate id, an
             edge to an unknown node, a negative time, or a cycle.
     """
-    nodes: dict[str, NodeProfile] = {}
-    order: list[str] = []
-    edges: list[tuple[str, str]] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-
-        def bad(why: str, lineno: int = lineno, line: str = line) -> ProfileError:
-            return ProfileError(
-                f"{source}:{lineno}: cannot parse line {line.strip()[:120]!r} ({why}); expected "
-                f"'ID -- DESCRIPTION -- forward_compute_time=MS, backward_compute_time=MS, activation_size=BYTES, "
-                f"parameter_size=BYTES' or a tab-indented edge 'ID -- ID'; fix the file"
-            )
-
-        parts = line.strip().split(" -- ")
-        if line[0] in " \t":  # an edge line
-            if len(parts) != 2 or not all(_ID_RE.match(p) for p in parts):
-                raise bad("an indented line must be an edge 'SRC -- DST'")
-            edges.append((parts[0], parts[1]))
-            continue
-        if len(parts) < 3:
-            raise bad("a node line has an id, a description and the costs, separated by ' -- '")
-        nid, desc, metrics = parts[0], " -- ".join(parts[1:-1]), parts[-1]
-        if not _ID_RE.match(nid):
-            raise bad(f"node id {nid!r} contains spaces")
-        values: dict[str, float] = {}
-        for item in metrics.split(","):
-            m = _METRIC_RE.match(item)
-            if not m:
-                raise bad(f"cannot read the cost {item.strip()!r}")
-            try:
-                values[m.group(1)] = _number(m.group(2))
-            except ValueError:
-                raise bad(f"cannot read the number in {item.strip()!r}") from None
-        missing = [k for k in _METRICS if k not in values]
-        if missing:
-            raise bad(f"missing {', '.join(missing)}")
-        for k in _METRICS:
-            if not values[k] >= 0 or values[k] == float("inf"):
-                raise ProfileError(
-                    f"{source}:{lineno}: node {nid!r} has {k}={values[k]!r}; "
-                    "times and sizes must be finite numbers >= 0; fix the profile"
-                )
-        if nid in nodes:
-            raise ProfileError(f"{source}:{lineno}: node id {nid!r} appears twice; ids must be unique; "
-                               "remove or rename one")
-        node = NodeProfile(
-            name=nid, op=desc,
-            forward_time=values["forward_compute_time"] / 1000.0,
-            backward_time=values["backward_compute_time"] / 1000.0,
-            activation_bytes=int(round(values["activation_size"])),
-            parameter_bytes=int(round(values["parameter_size"])),
-            kind="input" if desc.startswith("Input") else "module",
-        )
-        check_costs(node, f"{source}:{lineno}")
-        nodes[nid] = node
-        order.append(nid)
-
-    for src, dst in edges:
-        for end in (src, dst):
-            if end not in nodes:
-                raise ProfileError(
-                    f"{source}: edge {src} -- {dst} names node {end!r}, which has no node line; "
-                    "add the node or remove the edge"
-                )
-    has_out = {src for src, _ in edges}
-    dropped = {n for n in order if n not in has_out and nodes[n].op.startswith("__getitem__")}
-    for src, dst in edges:
-        if dst in dropped:
-            continue
-        if src not in nodes[dst].inputs:
-            nodes[dst].inputs.append(src)
+    nodes, edges = _read_lines(text, source)
+    dropped = _connect(nodes, edges, source)
     if not nodes:
         raise ProfileError(
             f"{source}: no node lines found; a PipeDream profile lists lines like 'node1 -- Conv2d(...) -- "
             f"forward_compute_time=MS, backward_compute_time=MS, activation_size=BYTES, parameter_size=BYTES'; "
             f"pass a PipeDream graph.txt file"
         )
-    kept = [nodes[n] for n in order if n not in dropped]
+    kept = [n for nid, n in nodes.items() if nid not in dropped]
     kept = topological_nodes(kept, source, key=lambda nd: _natural_key(nd.name))
-
     if batch_size is None:
-        inputs = [n for n in kept if n.is_input]
-        if (len(inputs) == 1 and inputs[0].activation_bytes > 0
-                and inputs[0].activation_bytes % IMAGENET_SAMPLE_BYTES == 0):
-            batch_size = inputs[0].activation_bytes // IMAGENET_SAMPLE_BYTES
+        batch_size = _imagenet_batch_size(kept)
     return Profile(model=model, batch_size=batch_size, nodes=kept, device="unknown")
 
 

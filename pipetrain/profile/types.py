@@ -32,7 +32,7 @@ class NodeProfile:
     parameter_bytes: int
     inputs: list[str] = field(default_factory=list)
     kind: str = "module"
-    # -- what autograd keeps for the backward (the memory model, plan/memory.py); None: not measured
+    # -- what autograd keeps for the backward (the memory model, plan/stage_memory.py); None: not measured
     saved_bytes: int | None = None   # distinct new storages the forward saves (its output included if saved)
     saved_inputs: list[str] = field(default_factory=list)  # earlier nodes whose output storage it saves
     output_saved: bool = False       # whether ``saved_bytes`` includes this node's own output

@@ -4,7 +4,7 @@
     resolve_run(cfg, world=None) -> ResolvedRun             run.resolve (asks pipetrain.plan)
     preflight(cfg, world=None) -> ResolvedRun               run.checks (resolve + cheap checks)
 
-The runtime (:mod:`pipetrain.runtime`) executes a :class:`~pipetrain.runtime.resolved.ResolvedRun`
+The runtime (:mod:`pipetrain.runtime`) executes a :class:`~pipetrain.job.resolved.ResolvedRun`
 and decides nothing; this package is the only one that plans.
 """
 from __future__ import annotations

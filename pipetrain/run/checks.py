@@ -17,8 +17,8 @@ from typing import Any
 import torch
 
 from ..errors import ModelError, PipetrainError, RuntimeConfigError
-from ..runtime.config import TrainConfig
-from ..runtime.resolved import ResolvedRun
+from ..job.config import TrainConfig
+from ..job.resolved import ResolvedRun
 
 __all__ = ["preflight", "check_output_paths", "check_model_batch"]
 

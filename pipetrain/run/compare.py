@@ -38,15 +38,21 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import PipetrainError, RuntimeConfigError
+from ..job.config import ParallelSection, TrainConfig
+from ..job.result import RunResult
+from ..job.settings import settings
 from ..metrics import CompareRow, EvalResult, rows_to_json
-from ..runtime.config import ParallelSection, TrainConfig, settings
-from ..runtime.result import RunResult
 from ..schedule import SCHEDULES, get_schedule
 
-__all__ = ["CompareEntry", "Failure", "Comparison", "compare_entries", "entry_config", "row_of", "compare",
-           "schedule_option_keys"]
+__all__ = ["CompareEntry", "Failure", "Comparison", "TrainFunction", "compare_entries", "entry_config", "row_of",
+           "compare", "schedule_option_keys"]
 
 log = logging.getLogger("pipetrain.compare")
+
+#: What trains one entry's configuration and returns its result: :func:`pipetrain.run.train`
+#: (local processes; ``None`` under an outer torchrun), or
+#: :func:`pipetrain.run.on_cluster.cluster_train`'s function (across emulated hosts).
+TrainFunction = Callable[[TrainConfig], RunResult | None]
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,7 @@ def _bytes_per_sample(result: RunResult) -> float | None:
 
 
 def row_of(label: str, result: RunResult) -> CompareRow:
-    """The comparison row of a finished run (:class:`~pipetrain.runtime.result.RunResult`)."""
+    """The comparison row of a finished run (:class:`~pipetrain.job.result.RunResult`)."""
     history = [EvalResult.from_dict(d) for d in (getattr(result, "eval_history", None) or [])]
     last = history[-1] if history else None
     final_loss = getattr(result, "eval_loss", None)
@@ -197,7 +203,7 @@ def _slug(label: str) -> str:
 def compare(base: TrainConfig, schedules: Sequence[str], *, no_stashing: bool = False,
             schedule_options: Mapping[str, Any] | None = None, auto_plan: bool = False,
             microbatches: int | None = None,
-            train: Callable[[TrainConfig], RunResult | None] | None = None,
+            train: TrainFunction | None = None,
             on_start: Callable[[CompareEntry, TrainConfig], None] | None = None,
             on_row: Callable[[CompareRow], None] | None = None,
             on_failure: Callable[[Failure], None] | None = None) -> Comparison:
@@ -213,7 +219,8 @@ def compare(base: TrainConfig, schedules: Sequence[str], *, no_stashing: bool = 
         auto_plan: let the planner choose each pipeline's stages (default: a straight pipeline).
         microbatches: units per minibatch of the schedules whose unit is the microbatch
             (default: each schedule's own default).
-        train: the training function (default :func:`pipetrain.run.train`).
+        train: the function that trains each entry's configuration (:data:`TrainFunction`;
+            default :func:`pipetrain.run.train`, local processes).
         on_start, on_row, on_failure: called as each entry starts, finishes, or fails.
 
     Returns:
@@ -261,7 +268,7 @@ def compare(base: TrainConfig, schedules: Sequence[str], *, no_stashing: bool = 
 
 
 def _failure_message(e: BaseException) -> str:
-    from ..runtime.failures import WorkerFailure
+    from ..runtime.process.failures import WorkerFailure
 
     if isinstance(e, WorkerFailure):
         return e.message if e.user_error else str(e)

@@ -17,11 +17,11 @@ import os
 from typing import Any
 
 from ..errors import RuntimeConfigError
-from ..runtime.config import TrainConfig
-from ..runtime.failures import FailureRecord, WorkerFailure
-from ..runtime.log import setup_logging
-from ..runtime.resolved import ResolvedRun
-from ..runtime.result import RunResult
+from ..job.config import TrainConfig
+from ..job.resolved import ResolvedRun
+from ..job.result import RunResult
+from ..runtime.process.failures import FailureRecord, WorkerFailure
+from ..runtime.process.log import setup_logging
 
 __all__ = ["train", "under_torchrun"]
 
@@ -37,7 +37,7 @@ def train(cfg: TrainConfig) -> RunResult | None:
     if not cfg.output.quiet:
         setup_logging(cfg.output.progress_to_stderr)
     if under_torchrun():
-        from ..runtime.worker import shutdown_process_group
+        from ..runtime.worker.main import shutdown_process_group
 
         try:
             return _train_as_worker(cfg)
@@ -57,7 +57,7 @@ def train(cfg: TrainConfig) -> RunResult | None:
 def _check_checkpointing(run: ResolvedRun) -> ResolvedRun:
     """``--checkpoint-dir``: a distributed run, and the latest checkpoint there (if any) is of
     this model; the run gets a segment boundary at its step (a checkpoint of another layout or
-    ``--checkpoint-every``), so that the workers resume there (runtime/checkpointing.py)."""
+    ``--checkpoint-every``), so that the workers resume there (runtime/checkpoints/periodic.py)."""
     ck = run.config.checkpoint
     if ck.checkpoint_dir is None:
         return run
@@ -66,7 +66,7 @@ def _check_checkpointing(run: ResolvedRun) -> ResolvedRun:
             f"--checkpoint-dir {ck.checkpoint_dir} needs a pipeline run of 2 or more workers (one-process runs write "
             f"only --save); pass --workers 2 or more, or use --save/--resume")
     from ..checkpoint import latest_checkpoint, read_manifest
-    from ..runtime.checkpointing import check_boundary, cut_at
+    from ..job.segments import check_boundary, cut_at
 
     latest = latest_checkpoint(ck.checkpoint_dir)
     if latest is not None:
@@ -79,7 +79,7 @@ def _train_as_worker(cfg: TrainConfig) -> RunResult | None:
     """Under torchrun: rank 0 resolves the run and broadcasts it (or its failure) to every rank."""
     import torch.distributed as dist
 
-    from ..runtime.worker import init_distributed, run_rank
+    from ..runtime.worker.main import init_distributed, run_rank
 
     world = int(os.environ["WORLD_SIZE"])
     if cfg.parallel.workers is not None and cfg.parallel.workers != world:

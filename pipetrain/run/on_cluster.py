@@ -1,15 +1,15 @@
 """Training runs on an emulated cluster, for commands that run several (``pipetrain compare``).
 
 :func:`cluster_train` returns a function with :func:`pipetrain.run.train`'s signature that
-trains a :class:`~pipetrain.runtime.config.TrainConfig` across the hosts of an
+trains a :class:`~pipetrain.job.config.TrainConfig` across the hosts of an
 :class:`~pipetrain.cluster.EmulatedCluster` (one torchrun agent per host, gloo on the hosts'
-bandwidth-limited interfaces) and returns rank 0's :class:`~pipetrain.runtime.result.RunResult`.
-``compare(base, schedules, train=cluster_train(cluster))`` is then the paper's comparison
-(time to accuracy of each schedule at low bandwidth) on emulated hosts;
-:func:`run_on_cluster` makes the cluster, runs a ``pipetrain`` command line's comparison or
-training in it and removes it; from a shell::
+bandwidth-limited interfaces) and returns rank 0's :class:`~pipetrain.job.result.RunResult`.
+``compare(base, schedules, train=cluster_train(cluster))`` (:func:`pipetrain.run.compare.compare`)
+is then the paper's comparison (time to accuracy of each schedule at low bandwidth) on
+emulated hosts; from a shell, ``pipetrain cluster run`` makes the cluster, runs the
+comparison in it and removes it::
 
-    python -m pipetrain.run.on_cluster --hosts 2 --bandwidth 50Mbit -- \
+    pipetrain cluster run --hosts 2 --bandwidth 50Mbit -- \
         compare --model mlp --data digits --workers 2 --epochs 3 --target-accuracy 0.9 --schedules dp,pipedream
 
 How a run travels: the configuration is pickled into a file the hosts read (network
@@ -33,17 +33,17 @@ from ..errors import RuntimeConfigError
 
 if TYPE_CHECKING:
     from ..cluster.netns import EmulatedCluster
-    from ..runtime.config import TrainConfig
-    from ..runtime.result import RunResult
+    from ..job.config import TrainConfig
+    from ..job.result import RunResult
 
-__all__ = ["cluster_train", "run_on_cluster", "result_from_json"]
+__all__ = ["cluster_train", "result_from_json"]
 
 _MARK = "PIPETRAIN_ON_CLUSTER_RESULT "
 
 
 def result_from_json(d: dict[str, Any]) -> RunResult:
-    """A RunResult from its :meth:`~pipetrain.runtime.result.RunResult.to_json` form (unknown keys dropped)."""
-    from ..runtime.result import RunResult
+    """A RunResult from its :meth:`~pipetrain.job.result.RunResult.to_json` form (unknown keys dropped)."""
+    from ..job.result import RunResult
 
     names = {f.name for f in dataclasses.fields(RunResult)}
     return RunResult(**{k: v for k, v in d.items() if k in names})
@@ -85,46 +85,6 @@ def cluster_train(cluster: EmulatedCluster, *, nproc_per_node: int = 1,
     return train
 
 
-def run_on_cluster(argv: list[str], hosts: int, bandwidth: str | int | None, *, nproc_per_node: int = 1,
-                   timeout: float = 3600.0) -> int:
-    """Run ``pipetrain ARGV`` (``compare ...`` or ``train ...``) with its training runs on a new
-    emulated cluster of ``hosts`` hosts at ``bandwidth``; the cluster is removed afterwards.
-
-    ``compare`` runs here, each of its configurations across the hosts (:func:`cluster_train`);
-    anything else goes through torchrun on every host like ``pipetrain cluster run``.
-    Returns the command's exit code.
-    """
-    from ..cluster.netns import EmulatedCluster
-
-    with EmulatedCluster(hosts, bandwidth) as c:
-        if argv and argv[0] == "compare":
-            from ..cli import main as cli_main
-
-            _TRAIN_OVERRIDE.append(cluster_train(c, nproc_per_node=nproc_per_node, timeout=timeout))
-            try:
-                return int(cli_main(argv) or 0)
-            finally:
-                _TRAIN_OVERRIDE.pop()
-        from ..cluster.launch import launch_torchrun
-
-        r = launch_torchrun(c, argv, nproc_per_node=nproc_per_node, timeout=timeout)
-        for a in r.agents:
-            sys.stdout.write(a.stdout)
-            for line in a.stderr.splitlines():
-                print(f"[h{a.host}] {line}", file=sys.stderr)
-        return r.returncode
-
-
-#: The training function ``compare`` should use while :func:`run_on_cluster` runs it (a stack;
-#: empty: local runs). ``pipetrain.cli.compare_cmd`` passes ``current_train()`` as ``train=``.
-_TRAIN_OVERRIDE: list[Callable[[TrainConfig], RunResult]] = []
-
-
-def current_train() -> Callable[[TrainConfig], RunResult] | None:
-    """The training function a comparison started by :func:`run_on_cluster` must use, or None."""
-    return _TRAIN_OVERRIDE[-1] if _TRAIN_OVERRIDE else None
-
-
 def _worker_main(path: str) -> int:
     """One worker under the outer torchrun: train the pickled configuration; rank 0 prints it."""
     from .launcher import train
@@ -139,29 +99,14 @@ def _worker_main(path: str) -> int:
 
 
 def main(argv: list[str]) -> int:
-    """``python -m pipetrain.run.on_cluster --hosts N [--bandwidth R] [--timeout S] -- compare ...``
-    (or ``-- train ...``): :func:`run_on_cluster`. With one ``.pkl`` argument: a worker."""
+    """``python -m pipetrain.run.on_cluster CONFIG.pkl``: one worker of :func:`cluster_train`'s run."""
     if len(argv) == 1 and argv[0].endswith(".pkl"):
         return _worker_main(argv[0])
-    import argparse
-
-    if "--" not in argv:
-        print("usage: python -m pipetrain.run.on_cluster --hosts N [--bandwidth R] -- compare|train ARGS",
-              file=sys.stderr)
-        return 2
-    i = argv.index("--")
-    p = argparse.ArgumentParser(prog="python -m pipetrain.run.on_cluster")
-    p.add_argument("--hosts", type=int, default=2)
-    p.add_argument("--bandwidth", default=None)
-    p.add_argument("--nproc-per-node", type=int, default=1)
-    p.add_argument("--timeout", type=float, default=3600.0)
-    a = p.parse_args(argv[:i])
-    return run_on_cluster(argv[i + 1:], a.hosts, a.bandwidth, nproc_per_node=a.nproc_per_node, timeout=a.timeout)
+    print("usage: python -m pipetrain.run.on_cluster CONFIG.pkl (started by cluster_train on every host); "
+          "to compare on an emulated cluster: pipetrain cluster run --hosts N --bandwidth R -- compare ...",
+          file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
-    # through the package's module object, not this __main__ copy: compare_cmd reads the
-    # training function from pipetrain.run.on_cluster's own stack
-    from pipetrain.run.on_cluster import main as _main
-
-    sys.exit(_main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""From a :class:`~pipetrain.runtime.config.TrainConfig` to a :class:`~pipetrain.runtime.resolved.ResolvedRun`.
+"""From a :class:`~pipetrain.job.config.TrainConfig` to a :class:`~pipetrain.job.resolved.ResolvedRun`.
 
 :func:`resolve_run` makes every decision of a run, once, in this order, asking the
 schedule's :class:`~pipetrain.schedule.ScheduleSpec` wherever the schedule matters:
@@ -10,7 +10,7 @@ schedule's :class:`~pipetrain.schedule.ScheduleSpec` wherever the schedule matte
 4. the plan: ``--plan`` loaded, ``--cut`` / ``--config`` / the schedule's own layout cut by
    :mod:`pipetrain.plan.cuts`, or the planner's from a quick profile (:mod:`pipetrain.plan.quick`);
    checked against the captured graph (every node in one stage, stages in graph order), and
-   its ties across stages against the schedule (:func:`pipetrain.runtime.tied.check_ties`:
+   its ties across stages against the schedule (:func:`pipetrain.stages.tied.check_ties`:
    asynchronous schedules and two tied stages on one rank are refused here, before any
    worker starts);
 5. the complete schedule of every segment: the warm-up, then the timed steps split at every
@@ -19,7 +19,7 @@ schedule's :class:`~pipetrain.schedule.ScheduleSpec` wherever the schedule matte
 Real data (``--data``) is loaded here first (:func:`resolve_data`): the model options that fit
 it are merged under the user's (``model_options_for``), ``--epochs`` becomes steps, and the
 model is checked against the samples (``check_fits``) before any worker starts. The resolved
-run carries the data's description (:class:`~pipetrain.runtime.data.DataSpec`), not its
+run carries the data's description (:class:`~pipetrain.job.data.DataSpec`), not its
 tensors; workers reload it from the seed.
 
 The result is checked (:meth:`ResolvedRun.check`) and handed, unchanged, to every worker.
@@ -31,14 +31,15 @@ from typing import Any
 
 import torch
 
+from ..auto.choose import summary_lines
 from ..errors import DataError, PipetrainError, RuntimeConfigError
-from ..plan.auto import summary_lines
+from ..job.config import TrainConfig
+from ..job.data import DataSpec
+from ..job.model import load_bundle
+from ..job.parse import parse_config, parse_cut
+from ..job.resolved import ResolvedRun, Segment
 from ..plan.cuts import split_at_cuts, split_by_config
 from ..plan.types import Plan
-from ..runtime.config import TrainConfig, parse_config, parse_cut
-from ..runtime.data import DataSpec
-from ..runtime.model import load_bundle
-from ..runtime.resolved import ResolvedRun, Segment
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +219,12 @@ def _one_host() -> bool:
 
 
 def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tuple[TrainConfig, Any]:
-    """``--schedule auto``: the fastest predicted configuration (pipetrain.plan.auto) whose
+    """``--schedule auto``: the fastest predicted configuration (pipetrain.auto.choose) whose
     replicas suit the run's step counts; the configuration with its schedule and microbatches."""
     from dataclasses import replace
 
+    from ..auto.choose import choose
     from ..graph.capture import capture
-    from ..plan.auto import choose
 
     par = cfg.parallel
     if par.calibration is None and world is not None and not _one_host():
@@ -237,8 +238,8 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
         return capture(bundle.model, bundle.example_inputs), tuple(inputs)
 
     def accept(c: Any, captured: Any) -> str | None:
-        from ..runtime.stage import partition_graph
-        from ..runtime.tied import check_ties
+        from ..stages.partition import partition_graph
+        from ..stages.tied import check_ties
 
         chosen = replace(cfg, parallel=replace(par, schedule=c.schedule, microbatches=c.microbatches, auto=False))
         spec = chosen.spec
@@ -265,7 +266,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
 def _choose_plan(cfg: TrainConfig, captured: Any, bundle: Any, batch: int, workers: int, m: int,
                  replicas: list[int] | None, auto: Any = None) -> tuple[Plan, str]:
     """The plan and where it came from (module docstring, step 4); ``auto``: the automatic
-    choice (pipetrain.plan.auto.AutoChoice) already made."""
+    choice (pipetrain.auto.choose.AutoChoice) already made."""
     par, spec = cfg.parallel, cfg.spec
     name = str(getattr(bundle, "name", cfg.model.name))
     if auto is not None:
@@ -288,7 +289,7 @@ def _choose_plan(cfg: TrainConfig, captured: Any, bundle: Any, batch: int, worke
         v = _chunks(cfg)
         return (split_by_config(captured, replicas, name, batch),
                 f"{len(replicas)} stages ({v} per rank) split by estimated compute")
-    from ..plan.quick import quick_plan
+    from ..auto.quick import quick_plan
 
     inputs = bundle.make_batch(batch, torch.Generator().manual_seed(cfg.training.seed))[0]
     return quick_plan(captured, tuple(inputs), batch_size=batch, workers=workers, schedule=spec.name, microbatches=m,
@@ -367,7 +368,7 @@ def segment_plan(steps: int, warmup: int, eval_every: int | None, checkpoint_eve
     """The segments of a run as ``(kind, steps, evaluate, checkpoint)``: the warm-up (if any),
     then the timed steps cut at every multiple of ``eval_every`` and of ``checkpoint_every``
     and at the end. Steps are counted from the run's first minibatch, warm-up included (the
-    count :func:`pipetrain.runtime.checkpointing.checkpoint_due` uses). The end evaluates when
+    count :func:`pipetrain.job.segments.checkpoint_due` uses). The end evaluates when
     ``eval_every`` is set and checkpoints when ``checkpoint_end``.
 
     >>> segment_plan(10, 0, 4, None)
@@ -419,8 +420,8 @@ def _load(cfg: TrainConfig, unit_batch: int) -> Any:
 def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[ResolvedRun, Any]:
     """:func:`resolve_run`, also returning the model bundle it built (for cheap checks)."""
     from ..graph.capture import capture
-    from ..runtime.stage import partition_graph
-    from ..runtime.tied import check_ties
+    from ..stages.partition import partition_graph
+    from ..stages.tied import check_ties
 
     cfg, source = resolve_data(cfg)
     par, spec = cfg.parallel, cfg.spec

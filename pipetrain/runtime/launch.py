@@ -4,8 +4,8 @@
 ``torch.distributed.launcher.api.elastic_launch`` (the launcher ``torchrun`` itself uses:
 c10d rendezvous on ``127.0.0.1:<free port>``, ``max_restarts`` from ``--max-restarts``), hands
 each the resolved runs (pickled with the entry point's arguments), and returns rank 0's
-results. A worker's failure surfaces as one :class:`~pipetrain.runtime.failures.WorkerFailure`,
-built from the structured :class:`~pipetrain.runtime.failures.FailureRecord` the failing rank posted in a
+results. A worker's failure surfaces as one :class:`~pipetrain.runtime.process.failures.WorkerFailure`,
+built from the structured :class:`~pipetrain.runtime.process.failures.FailureRecord` the failing rank posted in a
 store this launcher hosts for the run (no error text is parsed).
 
 The library entry point that resolves a configuration first is :func:`pipetrain.run.train`.
@@ -21,10 +21,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from ..errors import RuntimeConfigError
-from .failures import FailureBoard, WorkerFailure
-from .peers import killed_rank
-from .resolved import ResolvedRun
-from .result import RunResult
+from ..job.resolved import ResolvedRun
+from ..job.result import RunResult
+from .process.failures import FailureBoard, WorkerFailure
+from .process.peers import killed_rank
 
 __all__ = ["WorkerFailure", "launch_local", "free_port", "reopen_closed_std_fds"]
 
@@ -67,7 +67,7 @@ def reopen_closed_std_fds() -> None:
     """Give closed standard descriptors /dev/null (CI jobs and daemons may start us without stdin).
 
     Otherwise the launcher's next socket takes descriptor 0 and is inherited as the stdin of
-    every worker process, which made torchrun's rendezvous stall or fail at shutdown.
+    every worker process, which makes torchrun's rendezvous stall or fail at shutdown.
     """
     for fd in (0, 1, 2):
         try:
@@ -83,13 +83,13 @@ def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0, max_restar
     Raises :class:`WorkerFailure` if a worker fails (with the first failing rank, not the
     ranks it brought down). ``max_restarts``: torchelastic restarts every worker up to that
     many times after a failure (``--max-restarts``; the workers resume from the latest
-    checkpoint in ``--checkpoint-dir``, :mod:`pipetrain.runtime.checkpointing`).
+    checkpoint in ``--checkpoint-dir``, :mod:`pipetrain.runtime.checkpoints.periodic`).
     """
     import torch.distributed as dist
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from .worker import worker_main
+    from .worker.main import worker_main
 
     sizes = sorted({r.world_size for r in runs})
     if len(sizes) != 1 or sizes[0] < 2:

@@ -1,4 +1,4 @@
-"""Single-process references the pipeline is checked against.
+"""Single-process references the pipeline is checked against (the test oracle).
 
 :func:`replay_schedule` emulates what a schedule *means*, independently of the executor: for
 each unit ``u`` in order it evaluates the whole original model (``torch.func.functional_call``)
@@ -14,12 +14,13 @@ newer version ``v_B`` than its F. Such a unit is evaluated stage by stage over t
 graph (:class:`StageGraph`): once with the F versions (the values every stage sends on),
 once with the B versions, each stage reading its own nodes from the B pass and other stages'
 values with the F pass's value and the B pass's gradient path. That is
-:mod:`pipetrain.runtime.recompute`'s definition (recompute each stage's forward from its
+:mod:`pipetrain.runtime.engine.recompute`'s definition (recompute each stage's forward from its
 stashed input under ``v_B``, back-propagate the gradient received from downstream), written
 as one autograd graph.
 
-:func:`train_single_process` is plain training: the whole minibatch, one backward,
-``torch.optim``. It is what ``--workers 1`` runs, and what synchronous schedules must equal.
+:func:`replay_config` replays a resolved multi-worker run; :func:`single_config` trains its
+model the plain way (:func:`~pipetrain.runtime.single.train_single_process`: the whole
+minibatch, one backward, ``torch.optim``), what synchronous schedules must equal.
 """
 from __future__ import annotations
 
@@ -33,24 +34,18 @@ import torch.fx
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ..job.config import LRSchedule, OptimizerConfig
+from ..job.model import build_stages, load_bundle
+from ..job.resolved import ResolvedRun
+from ..job.segments import stage_step_count
 from ..schedule.action import Op, Schedule
-from .config import LRSchedule, OptimizerConfig
-from .data import UnitData
-from .model import load_bundle
-from .recompute import BufferGuard
-from .resolved import ResolvedRun
+from .engine.recompute import BufferGuard
+from .engine.units import UnitData
+from .single import SingleResult, make_torch_optimizer, train_single_process
 
-__all__ = ["stage_step_count", "make_torch_optimizer", "replay_schedule", "train_single_process", "ReplayResult",
-           "SingleResult", "StageGraph", "replay_config", "single_config"]
+__all__ = ["replay_schedule", "ReplayResult", "StageGraph", "replay_config", "single_config"]
 
-
-def make_torch_optimizer(params: Sequence[Tensor], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """The ``torch.optim`` optimizer matching ``cfg``."""
-    if cfg.name == "sgd":
-        return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, dampening=cfg.dampening,
-                               nesterov=cfg.nesterov, weight_decay=cfg.weight_decay)
-    cls = torch.optim.Adam if cfg.name == "adam" else torch.optim.AdamW
-    return cls(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+Key = tuple[int, int]   # (stage, unit) or (stage, group)
 
 
 @dataclass
@@ -62,10 +57,13 @@ class ReplayResult:
     steps: dict[int, int] = field(default_factory=dict)
 
 
-def stage_step_count(schedule: Schedule, stage: int) -> int:
-    """Optimizer steps of ``stage`` in a schedule (counted on its first replica)."""
-    rank = schedule.stage_ranks[stage][0]
-    return sum(1 for a in schedule.workers[rank] if a.stage == stage and a.op is Op.STEP)
+@dataclass(frozen=True)
+class StageGraph:
+    """The captured graph and the stage of each of its value nodes (``Partition.stage_of``):
+    what :func:`replay_schedule` needs for units whose B version differs from their F's."""
+
+    gm: torch.fx.GraphModule
+    stage_of: Mapping[str, int]
 
 
 def _groups(schedule: Schedule, stage: int) -> list[list[int]]:
@@ -86,15 +84,6 @@ def _groups(schedule: Schedule, stage: int) -> list[list[int]]:
         if pending:
             raise ValueError(f"stage {stage} has units after its last STEP on rank {rank}: {pending}")
     return [sorted(groups[k]) for k in sorted(groups)]
-
-
-@dataclass(frozen=True)
-class StageGraph:
-    """The captured graph and the stage of each of its value nodes (``Partition.stage_of``):
-    what :func:`replay_schedule` needs for units whose B version differs from their F's."""
-
-    gm: torch.fx.GraphModule
-    stage_of: Mapping[str, int]
 
 
 class _ValueWithGradPath(torch.autograd.Function):
@@ -184,6 +173,162 @@ def _two_version_loss(graph: StageGraph, loss_fn: Callable[[Any, Any], Tensor], 
     return loss_f, loss_b
 
 
+class _Masters:
+    """The newest weights of every stage (a master copy of every parameter) and one
+    ``torch.optim`` optimizer per stage that has trainable parameters."""
+
+    def __init__(self, model: nn.Module, param_stage: Mapping[str, int], opt: OptimizerConfig,
+                 lr_schedule: LRSchedule, clip: float | None) -> None:
+        named = dict(model.named_parameters())
+        self.stages = sorted(set(param_stage.values()))
+        self.names = {s: [n for n in named if param_stage.get(n) == s] for s in self.stages}
+        self.master = {n: named[n].detach().clone().requires_grad_(named[n].requires_grad) for n in named}
+        self.trainable = {s: [n for n in self.names[s] if self.master[n].requires_grad] for s in self.stages}
+        self.optims = {s: make_torch_optimizer([self.master[n] for n in self.trainable[s]], opt)
+                       for s in self.stages if self.trainable[s]}
+        self.steps_done = {s: 0 for s in self.stages}
+        self.totals: dict[int, int] = {}   # stage -> the learning-rate schedule's horizon
+        self.base_lr, self.lr_schedule, self.clip = opt.lr, lr_schedule, clip
+
+    def snapshot(self, s: int) -> dict[str, Tensor]:
+        """Stage ``s``'s newest weights, as a version (a copy)."""
+        return {n: self.master[n].detach().clone().requires_grad_(self.master[n].requires_grad)
+                for n in self.names[s]}
+
+    def step(self, s: int, grads: Mapping[str, Tensor], count: int, coef: float | None) -> dict[str, Tensor]:
+        """One optimizer step of stage ``s`` on the mean of ``grads`` (summed over ``count``
+        units), scaled by ``coef`` (``None``: clipped per stage when ``clip``); the new version."""
+        mean = {n: g / count for n, g in grads.items()}
+        if self.clip is not None and coef is None:
+            norm = math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in mean.values()))
+            coef = min(1.0, self.clip / (norm + 1e-6))
+        if coef is not None and coef < 1.0:
+            mean = {n: g * coef for n, g in mean.items()}
+        if s in self.optims:
+            for n in self.trainable[s]:
+                self.master[n].grad = mean.get(n)
+            lr = self.lr_schedule.lr(self.base_lr, self.steps_done[s], max(1, self.totals[s]))
+            for group in self.optims[s].param_groups:
+                group["lr"] = lr
+            self.optims[s].step()
+        self.steps_done[s] += 1
+        return self.snapshot(s)
+
+    def final(self) -> dict[str, Tensor]:
+        return {n: t.detach().clone() for n, t in self.master.items()}
+
+
+@dataclass
+class _Pass:
+    """One segment's replay: the versions made so far, the version each unit's F and B name
+    per stage, the stages' gradient groups and the gradients summed so far."""
+
+    versions: dict[int, list[dict[str, Tensor]]]
+    fwd: dict[Key, int]                      # (stage, unit) -> version of its F
+    bwd: dict[Key, int]                      # (stage, unit) -> version of its B (or W)
+    groups: dict[int, list[list[int]]]       # stage -> units of each group
+    units: list[int]
+    acc: dict[Key, dict[str, Tensor]] = field(default_factory=dict)    # (stage, group) -> summed gradients
+    done: dict[Key, int] = field(default_factory=dict)                 # (stage, group) -> units added
+
+    @property
+    def group_of(self) -> dict[int, dict[int, int]]:
+        return {s: {u: k for k, g in enumerate(gs) for u in g} for s, gs in self.groups.items()}
+
+    def complete(self, s: int, k: int) -> bool:
+        return self.done.get((s, k), 0) == len(self.groups[s][k])
+
+    def step_stage(self, masters: _Masters, s: int, k: int, coef: float | None) -> None:
+        """Apply stage ``s``'s group ``k`` to its newest version, making the next one."""
+        grads = self.acc.pop((s, k), {})
+        self.versions[s].append(masters.step(s, grads, len(self.groups[s][k]), coef))
+
+
+def _unit_versions(schedule: Schedule) -> tuple[dict[Key, int], dict[Key, int]]:
+    """The version every (stage, unit) F names, and every B (or W): the F's unless named."""
+    fwd: dict[Key, int] = {}
+    bwd: dict[Key, int] = {}
+    for acts in schedule.workers:
+        for a in acts:
+            if a.op is Op.F:
+                fwd[(a.stage, a.mb)] = a.version if a.version is not None else 0
+            elif a.op in (Op.B, Op.W) and a.version is not None:
+                bwd[(a.stage, a.mb)] = a.version
+    for key, v in fwd.items():
+        bwd.setdefault(key, v)
+    return fwd, bwd
+
+
+def _start_pass(schedule: Schedule, masters: _Masters, graph: StageGraph | None) -> _Pass:
+    """A segment's replay, from the newest weights of the previous one."""
+    stages = masters.stages
+    fwd, bwd = _unit_versions(schedule)
+    if graph is None and any(bwd[k] != fwd[k] for k in fwd):
+        raise ValueError("the schedule's backwards use other versions than their forwards (stashing=False): "
+                         "replay_schedule needs graph=StageGraph(captured.gm, partition.stage_of)")
+    return _Pass(versions={s: [masters.snapshot(s)] for s in stages}, fwd=fwd, bwd=bwd,
+                 groups={s: _groups(schedule, s) for s in stages}, units=sorted({u for (s, u) in fwd if s == 0}))
+
+
+def _add_unit(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], masters: _Masters, p: _Pass, u: int,
+              batch: tuple[Any, Any], graph: StageGraph | None, group_of: Mapping[int, Mapping[int, int]]) -> float:
+    """Unit ``u``'s loss under its versions; its gradients added to each stage's group."""
+    stages = masters.stages
+    params: dict[str, Tensor] = {}
+    used: dict[int, dict[str, Tensor]] = {}
+    params_b: dict[str, Tensor] = {}
+    for s in stages:
+        for v in (p.fwd[(s, u)], p.bwd[(s, u)]):
+            if v >= len(p.versions[s]):
+                raise ValueError(f"unit {u} uses version {v} of stage {s} before it exists in unit order")
+        params.update(p.versions[s][p.fwd[(s, u)]])
+        used[s] = p.versions[s][p.bwd[(s, u)]]
+        params_b.update(used[s])
+    inputs, target = batch
+    leaves = [(s, n, used[s][n]) for s in stages for n in masters.trainable[s]]
+    if any(p.bwd[(s, u)] != p.fwd[(s, u)] for s in stages):
+        assert graph is not None
+        loss, loss_b = _two_version_loss(graph, loss_fn, params, params_b, inputs, target)
+        with torch.enable_grad():
+            grads = torch.autograd.grad(loss_b, [t for _, _, t in leaves], allow_unused=True)
+    else:
+        with torch.enable_grad():
+            loss = loss_fn(functional_call(model, params, tuple(inputs)), target)
+            grads = torch.autograd.grad(loss, [t for _, _, t in leaves], allow_unused=True)
+    for (s, n, _), g in zip(leaves, grads):
+        k = group_of[s][u]
+        if g is not None:
+            slot = p.acc.setdefault((s, k), {})
+            slot[n] = slot[n] + g if n in slot else g.clone()
+    for s in stages:
+        k = group_of[s][u]
+        p.done[(s, k)] = p.done.get((s, k), 0) + 1
+    return float(loss.detach())
+
+
+def _apply_complete(masters: _Masters, p: _Pass, global_clip: bool) -> None:
+    """Apply every complete group, in order (newest version -> next). ``global_clip`` (and a
+    clip): group ``k`` of every stage at once, clipped by their joint norm."""
+    stages = masters.stages
+    clip = masters.clip
+    if not (global_clip and clip is not None):
+        for s in stages:
+            while len(p.versions[s]) - 1 < len(p.groups[s]) and p.complete(s, len(p.versions[s]) - 1):
+                p.step_stage(masters, s, len(p.versions[s]) - 1, None)
+        return
+    while True:
+        k = len(p.versions[stages[0]]) - 1
+        if k >= len(p.groups[stages[0]]) or not all(k < len(p.groups[s]) and p.complete(s, k) for s in stages):
+            return
+        sq = 0.0
+        for s in stages:
+            for g in p.acc.get((s, k), {}).values():
+                sq += float(torch.linalg.vector_norm(g / len(p.groups[s][k]))) ** 2
+        coef = min(1.0, clip / (math.sqrt(sq) + 1e-6))
+        for s in stages:
+            p.step_stage(masters, s, k, coef)
+
+
 def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
                     segments: Sequence[tuple[Schedule, UnitData]], param_stage: Mapping[str, int],
                     opt: OptimizerConfig, lr_schedule: LRSchedule | None = None, clip: float | None = None,
@@ -199,6 +344,8 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
         param_stage: parameter name -> stage owning it.
         opt, lr_schedule: optimizer settings (``torch.optim``, one per stage).
         clip: max gradient norm; global over stages when ``global_clip``, else per stage.
+        lr_totals: stage -> the learning-rate schedule's horizon (default: its optimizer
+            steps over all segments).
         graph: the captured graph and its stages; needed only when some B's version differs
             from its F's (pipedream with ``stashing=False``).
 
@@ -206,179 +353,27 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
         The final weights, each unit's loss (units numbered per segment, offset so that they
         are unique: segment ``i``'s units follow segment ``i-1``'s), and steps per stage.
     """
-    lr_schedule = lr_schedule or LRSchedule()
-    named = dict(model.named_parameters())
-    stages = sorted(set(param_stage.values()))
-    names = {s: [n for n in named if param_stage.get(n) == s] for s in stages}
-    master = {n: named[n].detach().clone().requires_grad_(named[n].requires_grad) for n in named}
-    trainable = {s: [n for n in names[s] if master[n].requires_grad] for s in stages}
-    optims = {s: make_torch_optimizer([master[n] for n in trainable[s]], opt) for s in stages if trainable[s]}
-    steps_done = {s: 0 for s in stages}
-    totals = dict(lr_totals) if lr_totals is not None else {
-        s: sum(stage_step_count(sch, s) for sch, _ in segments) for s in stages}
+    masters = _Masters(model, param_stage, opt, lr_schedule or LRSchedule(), clip)
+    masters.totals = dict(lr_totals) if lr_totals is not None else {
+        s: sum(stage_step_count(sch, s) for sch, _ in segments) for s in masters.stages}
     losses: dict[int, float] = {}
     unit_base = 0
-
-    def snapshot(s: int) -> dict[str, Tensor]:
-        return {n: master[n].detach().clone().requires_grad_(master[n].requires_grad) for n in names[s]}
-
     for schedule, data in segments:
-        versions = {s: [snapshot(s)] for s in stages}
-        fwd: dict[tuple[int, int], int] = {}
-        bwd: dict[tuple[int, int], int] = {}
-        for acts in schedule.workers:
-            for a in acts:
-                if a.op is Op.F:
-                    fwd[(a.stage, a.mb)] = a.version if a.version is not None else 0
-                elif a.op in (Op.B, Op.W) and a.version is not None:
-                    bwd[(a.stage, a.mb)] = a.version
-        for key, v in fwd.items():
-            bwd.setdefault(key, v)
-        if graph is None and any(bwd[k] != fwd[k] for k in fwd):
-            raise ValueError("the schedule's backwards use other versions than their forwards (stashing=False): "
-                             "replay_schedule needs graph=StageGraph(captured.gm, partition.stage_of)")
-        groups = {s: _groups(schedule, s) for s in stages}
-        group_of = {s: {u: k for k, g in enumerate(groups[s]) for u in g} for s in stages}
-        acc: dict[tuple[int, int], dict[str, Tensor]] = {}
-        done: dict[tuple[int, int], int] = {}
-        units = sorted({u for (s, u) in fwd if s == 0})
-
-        # The loop's per-segment state is bound as defaults (both helpers run only within
-        # their own segment's iteration, so this is what they would see anyway).
-        def step_stage(s: int, k: int, coef: float | None, *, groups: dict[int, list[list[int]]] = groups,
-                       acc: dict[tuple[int, int], dict[str, Tensor]] = acc,
-                       versions: dict[int, list[dict[str, Tensor]]] = versions) -> None:
-            grads = acc.pop((s, k), {})
-            count = len(groups[s][k])
-            mean = {n: g / count for n, g in grads.items()}
-            if clip is not None and coef is None:
-                norm = math.sqrt(sum(float(torch.linalg.vector_norm(g)) ** 2 for g in mean.values()))
-                coef = min(1.0, clip / (norm + 1e-6))
-            if coef is not None and coef < 1.0:
-                mean = {n: g * coef for n, g in mean.items()}
-            if s in optims:
-                for n in trainable[s]:
-                    master[n].grad = mean.get(n)
-                lr = lr_schedule.lr(opt.lr, steps_done[s], max(1, totals[s]))
-                for group in optims[s].param_groups:
-                    group["lr"] = lr
-                optims[s].step()
-            steps_done[s] += 1
-            versions[s].append(snapshot(s))
-
-        def complete(s: int, k: int, *, groups: dict[int, list[list[int]]] = groups,
-                     done: dict[tuple[int, int], int] = done) -> bool:
-            return done.get((s, k), 0) == len(groups[s][k])
-
-        for u in units:
-            params: dict[str, Tensor] = {}
-            used: dict[int, dict[str, Tensor]] = {}
-            params_b: dict[str, Tensor] = {}
-            for s in stages:
-                for v in (fwd[(s, u)], bwd[(s, u)]):
-                    if v >= len(versions[s]):
-                        raise ValueError(f"unit {u} uses version {v} of stage {s} before it exists in unit order")
-                params.update(versions[s][fwd[(s, u)]])
-                used[s] = versions[s][bwd[(s, u)]]
-                params_b.update(used[s])
-            inputs, target = data.unit(u)
-            leaves = [(s, n, used[s][n]) for s in stages for n in trainable[s]]
-            if any(bwd[(s, u)] != fwd[(s, u)] for s in stages):
-                assert graph is not None
-                loss, loss_b = _two_version_loss(graph, loss_fn, params, params_b, inputs, target)
-                with torch.enable_grad():
-                    grads = torch.autograd.grad(loss_b, [t for _, _, t in leaves], allow_unused=True)
-            else:
-                with torch.enable_grad():
-                    loss = loss_fn(functional_call(model, params, tuple(inputs)), target)
-                    grads = torch.autograd.grad(loss, [t for _, _, t in leaves], allow_unused=True)
-            losses[unit_base + u] = float(loss.detach())
-            for (s, n, _), g in zip(leaves, grads):
-                k = group_of[s][u]
-                if g is not None:
-                    slot = acc.setdefault((s, k), {})
-                    slot[n] = slot[n] + g if n in slot else g.clone()
-            for s in stages:
-                k = group_of[s][u]
-                done[(s, k)] = done.get((s, k), 0) + 1
-            # Apply every complete group, in order (newest version -> next).
-            if global_clip and clip is not None:
-                while True:
-                    k = len(versions[stages[0]]) - 1
-                    if k >= len(groups[stages[0]]) or not all(k < len(groups[s]) and complete(s, k) for s in stages):
-                        break
-                    sq = 0.0
-                    for s in stages:
-                        for g in acc.get((s, k), {}).values():
-                            sq += float(torch.linalg.vector_norm(g / len(groups[s][k]))) ** 2
-                    coef = min(1.0, clip / (math.sqrt(sq) + 1e-6))
-                    for s in stages:
-                        step_stage(s, k, coef)
-            else:
-                for s in stages:
-                    while len(versions[s]) - 1 < len(groups[s]) and complete(s, len(versions[s]) - 1):
-                        step_stage(s, len(versions[s]) - 1, None)
-        unit_base += len(units)
-    return ReplayResult({n: t.detach().clone() for n, t in master.items()}, losses, steps_done)
-
-
-@dataclass
-class SingleResult:
-    """Losses per step and final state of single-process training."""
-
-    losses: list[float]
-    state: dict[str, Tensor]
-    optimizer: torch.optim.Optimizer
-    seconds: float = 0.0
-
-
-def train_single_process(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], data: UnitData, steps: int,
-                         opt: OptimizerConfig, lr_schedule: LRSchedule | None = None, clip: float | None = None,
-                         optimizer: torch.optim.Optimizer | None = None, start_step: int = 0,
-                         lr_total: int | None = None, warmup_steps: int = 0) -> SingleResult:
-    """Plain training: per step the whole minibatch, one backward, ``torch.optim``.
-
-    ``data`` must have ``units_per_step == 1`` (whole minibatches). ``start_step`` is the
-    number of steps done before (resumed runs: the LR schedule continues from there).
-    Steps before ``warmup_steps`` are excluded from :attr:`SingleResult.seconds`.
-    """
-    import time
-
-    lr_schedule = lr_schedule or LRSchedule()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = optimizer or make_torch_optimizer(params, opt)
-    horizon = lr_total if lr_total is not None else start_step + steps
-    losses: list[float] = []
-    model.train()
-    t0 = time.perf_counter()
-    for i in range(steps):
-        if i == warmup_steps:
-            t0 = time.perf_counter()
-        inputs, target = data.unit(i)
-        optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(*inputs), target)
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, clip)
-        lr = lr_schedule.lr(opt.lr, start_step + i, max(1, horizon))
-        for g in optimizer.param_groups:
-            g["lr"] = lr
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    seconds = time.perf_counter() - t0
-    return SingleResult(losses, {k: v.detach().clone() for k, v in model.state_dict().items()}, optimizer, seconds)
+        p = _start_pass(schedule, masters, graph)
+        group_of = p.group_of
+        for u in p.units:
+            losses[unit_base + u] = _add_unit(model, loss_fn, masters, p, u, data.unit(u), graph, group_of)
+            _apply_complete(masters, p, global_clip)
+        unit_base += len(p.units)
+    return ReplayResult(masters.final(), losses, masters.steps_done)
 
 
 def replay_config(run: ResolvedRun) -> ReplayResult:
     """Replay a resolved multi-worker run in this process: the same model (seed), plan and
     schedules the workers execute, through :func:`replay_schedule`."""
-    from ..graph.capture import capture
-    from .stage import partition_graph
-
     cfg = run.config
-    bundle = load_bundle(cfg, run.unit_batch)
-    captured = capture(bundle.model, bundle.example_inputs)
-    part = partition_graph(captured.gm, run.stage_nodes)
+    staged = build_stages(run)
+    bundle, part = staged.bundle, staged.partition
     segments, offset = [], 0
     for seg in run.segments:
         assert seg.schedule is not None, "a one-process run has no schedule to replay"
@@ -387,7 +382,7 @@ def replay_config(run: ResolvedRun) -> ReplayResult:
         offset += seg.steps
     return replay_schedule(bundle.model, bundle.loss_fn, segments, part.param_stage, cfg.optimizer,
                            cfg.training.lr_schedule, cfg.training.clip_grad_norm, global_clip=cfg.synchronous,
-                           graph=StageGraph(captured.gm, part.stage_of))
+                           graph=StageGraph(staged.captured.gm, part.stage_of))
 
 
 def single_config(run: ResolvedRun) -> SingleResult:

@@ -99,7 +99,7 @@ class ScheduleSpec:
         splits_backward: the backward is split into ``I`` and ``W`` (zerobubble).
         chunks_option: the option giving model stages per rank (interleaved:
             ``"virtual_stages"``), else ``None`` (one model stage per rank stage).
-        memory_rule: the planner's memory rule (:mod:`pipetrain.plan.memory`):
+        memory_rule: the planner's memory rule (:mod:`pipetrain.plan.stage_memory`):
             ``"stash"`` (a weight copy per minibatch in flight), ``"two_versions"``,
             ``"one_f_one_b"`` (``min(m, depth)`` microbatches in flight), ``"all_forwards"``
             (all ``m`` in flight); ``None`` where the planner has none (dp is one stage;
@@ -108,7 +108,7 @@ class ScheduleSpec:
         microbatch_rule: the schedule's own rule on ``(replicas per rank stage, microbatches)``
             beyond the common ones (2bw: multiples and depth; interleaved: groups of ``P``).
         auto: a candidate of the planner's automatic choice (``train --schedule auto``,
-            :mod:`pipetrain.plan.auto`); gpipe (flush's time, more memory) and interleaved
+            :mod:`pipetrain.auto.choose`); gpipe (flush's time, more memory) and interleaved
             (no memory rule) are not.
     """
 

@@ -60,123 +60,178 @@ def _fail(msg: str) -> ScheduleError:
     return ScheduleError(f"invalid schedule: {msg}")
 
 
-def check_structure(schedule: Schedule) -> None:
-    """Checks 1 to 4 of the module docstring (everything but progress)."""
-    S = schedule.num_stages
-    units = schedule.steps * schedule.microbatches
-    holders = {k: set(r) for k, r in enumerate(schedule.stage_ranks)}
-    compute_rank: dict[tuple[int, int], int] = {}
-    counts: Counter[tuple[int, Op, int]] = Counter()
-    sends: Counter[TransferKey] = Counter()
-    recvs: Counter[TransferKey] = Counter()
-    allreduces: dict[int, dict[int, list[int]]] = defaultdict(dict)
-    stashing = bool(schedule.options.get("stashing", True))
-    for rank, actions in enumerate(schedule.workers):
-        done: set[tuple[int, Op, int]] = set()  # (stage, op, unit) already in this list
-        fver: dict[tuple[int, int], int] = {}
-        nsteps: Counter[int] = Counter()
+class _RankList:
+    """What one rank's list holds up to the action being checked."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.done: set[tuple[int, Op, int]] = set()  # (stage, op, unit) already in this list
+        self.fver: dict[tuple[int, int], int] = {}   # (stage, unit) -> its forward's version
+        self.nsteps: Counter[int] = Counter()        # stage -> STEPs so far
+
+
+class _StructureCheck:
+    """Checks 1 to 4 of the module docstring: each action as it is read, then across ranks."""
+
+    def __init__(self, schedule: Schedule) -> None:
+        self.S = schedule.num_stages
+        self.units = schedule.steps * schedule.microbatches
+        self.holders = {k: set(r) for k, r in enumerate(schedule.stage_ranks)}
+        self.stashing = bool(schedule.options.get("stashing", True))
+        self.compute_rank: dict[tuple[int, int], int] = {}
+        self.counts: Counter[tuple[int, Op, int]] = Counter()
+        self.sends: Counter[TransferKey] = Counter()
+        self.recvs: Counter[TransferKey] = Counter()
+        self.allreduces: dict[int, dict[int, list[int]]] = defaultdict(dict)
+
+    # ------------------------------------------------------------------ one action at a time
+
+    def read_rank(self, rank: int, actions: list[Action]) -> None:
+        r = _RankList(rank)
         for i, a in enumerate(actions):
             where = f"rank {rank} action {i} ({a.long})"
-            if not 0 <= a.stage < S:
-                raise _fail(f"{where}: stage {a.stage} does not exist ({S} stages)")
-            if rank not in holders[a.stage]:
-                raise _fail(f"{where}: stage {a.stage} lives on ranks {sorted(holders[a.stage])}, not {rank}")
-            k, u = a.stage, a.mb
+            self._placement(r, a, where)
             if a.op in (Op.F, Op.B, Op.I, Op.W):
-                if not 0 <= u < units:
-                    raise _fail(f"{where}: unit {u} outside 0..{units - 1} (steps*microbatches)")
-                other = compute_rank.setdefault((k, u), rank)
-                if other != rank:
-                    raise _fail(f"{where}: unit {u} of stage {k} also runs on rank {other}; "
-                                "a unit stays on one replica")
-                counts[(k, a.op, u)] += 1
-                if a.version is None:
-                    raise _fail(f"{where}: compute actions must carry a weight version")
-                if a.version > nsteps[k]:
-                    raise _fail(f"{where}: uses version {a.version} but only {nsteps[k]} steps of stage {k} "
-                                "came before")
-                if a.op is Op.F:
-                    fver[(k, u)] = a.version
-                    if k > 0 and (k, Op.RECV_F, u) not in done:
-                        raise _fail(f"{where}: forward before its input arrives (no {k}RECV_F{u} earlier on rank "
-                                    f"{rank})")
-                else:
-                    if (k, u) not in fver:
-                        raise _fail(f"{where}: {a.op.value} before the forward {k}F{u} on rank {rank}")
-                    if not stashing:  # PipeDream without stashing: the newest version when it runs
-                        if a.version != nsteps[k]:
-                            raise _fail(f"{where}: uses version {a.version} but stage {k}'s newest is {nsteps[k]} "
-                                        f"(stashing=False: backward uses the newest version)")
-                    elif a.version != fver[(k, u)]:
-                        raise _fail(f"{where}: uses version {a.version} but its forward used {fver[(k, u)]} "
-                                    f"(weight stashing: backward uses the forward's version)")
-                    if a.op in (Op.B, Op.I) and k < S - 1 and (k, Op.RECV_B, u) not in done:
-                        raise _fail(f"{where}: backward before its gradient arrives (no {k}RECV_B{u} earlier)")
-                    if a.op is Op.W and (k, Op.I, u) not in done:
-                        raise _fail(f"{where}: W before I of the same unit")
+                self._compute(r, a, where)
             elif a.op in _SEND_TO_RECV:
-                producer = Op.F if a.op is Op.SEND_F else None
-                if producer is Op.F and (k, Op.F, u) not in done:
-                    raise _fail(f"{where}: sends an output before computing it ({k}F{u} must come first)")
-                if a.op is Op.SEND_B and (k, Op.B, u) not in done and (k, Op.I, u) not in done:
-                    raise _fail(f"{where}: sends a gradient before computing it ({k}B{u} must come first)")
-                if a.peer is None:
-                    raise _fail(f"{where}: a transfer needs a peer")
-                sends[transfer_key(rank, a)] += 1
+                self._send(r, a, where)
             elif a.op in _RECV_FROM_SEND:
                 if a.peer is None:
                     raise _fail(f"{where}: a transfer needs a peer")
-                recvs[transfer_key(rank, a)] += 1
+                self.recvs[transfer_key(rank, a)] += 1
             elif a.op is Op.ALLREDUCE:
-                allreduces[k].setdefault(rank, []).append(u)
+                self.allreduces[a.stage].setdefault(rank, []).append(a.mb)
             elif a.op is Op.STEP:
-                if u != nsteps[k]:
-                    raise _fail(f"{where}: step {u} of stage {k} but {nsteps[k]} steps came before (number them 0, 1, "
-                                "...)")
-                if len(holders[k]) > 1:
-                    prev = actions[i - 1] if i else None
-                    if prev is None or prev.op is not Op.ALLREDUCE or prev.stage != k or prev.mb != u:
-                        raise _fail(f"{where}: a replicated stage must all-reduce right before each step "
-                                    f"({k}ALLREDUCE{u})")
-                nsteps[k] += 1
-            done.add((k, a.op, u))
-    # Coverage: every unit once per stage, with F and (B or I+W).
-    for k in range(S):
-        for u in range(units):
-            f = counts[(k, Op.F, u)]
-            b, i_, w = counts[(k, Op.B, u)], counts[(k, Op.I, u)], counts[(k, Op.W, u)]
-            if f != 1 or not ((b == 1 and i_ == 0 and w == 0) or (b == 0 and i_ == 1 and w == 1)):
-                raise _fail(f"stage {k} unit {u}: {f} forwards, {b} backwards, {i_} I, {w} W; "
-                            f"every unit needs one forward and one backward (or one I and one W) per stage")
-    # Transfers pair up, and go to the rank that runs the unit there.
-    for key, n in sends.items():
-        stage, op, u, src, dst = key
-        if recvs.get(key, 0) != n:
-            raise _fail(f"rank {src} sends {op.value.replace('RECV', 'SEND')} of unit {u} to rank {dst} {n} time(s), "
-                        f"but rank {dst} posts {recvs.get(key, 0)} matching {stage}{op.value}{u}<{src}")
-        if compute_rank.get((stage, u)) != dst:
-            raise _fail(f"rank {src} sends unit {u} to rank {dst}, but stage {stage} runs it on rank "
-                        f"{compute_rank.get((stage, u))}")
-    for key, n in recvs.items():
-        if sends.get(key, 0) != n:
+                self._step(r, a, actions[i - 1] if i else None, where)
+            r.done.add((a.stage, a.op, a.mb))
+
+    def _placement(self, r: _RankList, a: Action, where: str) -> None:
+        if not 0 <= a.stage < self.S:
+            raise _fail(f"{where}: stage {a.stage} does not exist ({self.S} stages)")
+        if r.rank not in self.holders[a.stage]:
+            raise _fail(f"{where}: stage {a.stage} lives on ranks {sorted(self.holders[a.stage])}, not {r.rank}")
+
+    def _compute(self, r: _RankList, a: Action, where: str) -> None:
+        k, u = a.stage, a.mb
+        if not 0 <= u < self.units:
+            raise _fail(f"{where}: unit {u} outside 0..{self.units - 1} (steps*microbatches)")
+        other = self.compute_rank.setdefault((k, u), r.rank)
+        if other != r.rank:
+            raise _fail(f"{where}: unit {u} of stage {k} also runs on rank {other}; "
+                        "a unit stays on one replica")
+        self.counts[(k, a.op, u)] += 1
+        if a.version is None:
+            raise _fail(f"{where}: compute actions must carry a weight version")
+        if a.version > r.nsteps[k]:
+            raise _fail(f"{where}: uses version {a.version} but only {r.nsteps[k]} steps of stage {k} "
+                        "came before")
+        if a.op is Op.F:
+            r.fver[(k, u)] = a.version
+            if k > 0 and (k, Op.RECV_F, u) not in r.done:
+                raise _fail(f"{where}: forward before its input arrives (no {k}RECV_F{u} earlier on rank "
+                            f"{r.rank})")
+        else:
+            self._after_forward(r, a, where)
+
+    def _after_forward(self, r: _RankList, a: Action, where: str) -> None:
+        """B, I or W of a unit: after its forward, on the right version, after its inputs."""
+        k, u = a.stage, a.mb
+        if (k, u) not in r.fver:
+            raise _fail(f"{where}: {a.op.value} before the forward {k}F{u} on rank {r.rank}")
+        if not self.stashing:  # PipeDream without stashing: the newest version when it runs
+            if a.version != r.nsteps[k]:
+                raise _fail(f"{where}: uses version {a.version} but stage {k}'s newest is {r.nsteps[k]} "
+                            f"(stashing=False: backward uses the newest version)")
+        elif a.version != r.fver[(k, u)]:
+            raise _fail(f"{where}: uses version {a.version} but its forward used {r.fver[(k, u)]} "
+                        f"(weight stashing: backward uses the forward's version)")
+        if a.op in (Op.B, Op.I) and k < self.S - 1 and (k, Op.RECV_B, u) not in r.done:
+            raise _fail(f"{where}: backward before its gradient arrives (no {k}RECV_B{u} earlier)")
+        if a.op is Op.W and (k, Op.I, u) not in r.done:
+            raise _fail(f"{where}: W before I of the same unit")
+
+    def _send(self, r: _RankList, a: Action, where: str) -> None:
+        k, u = a.stage, a.mb
+        if a.op is Op.SEND_F and (k, Op.F, u) not in r.done:
+            raise _fail(f"{where}: sends an output before computing it ({k}F{u} must come first)")
+        if a.op is Op.SEND_B and (k, Op.B, u) not in r.done and (k, Op.I, u) not in r.done:
+            raise _fail(f"{where}: sends a gradient before computing it ({k}B{u} must come first)")
+        if a.peer is None:
+            raise _fail(f"{where}: a transfer needs a peer")
+        self.sends[transfer_key(r.rank, a)] += 1
+
+    def _step(self, r: _RankList, a: Action, prev: Action | None, where: str) -> None:
+        k, u = a.stage, a.mb
+        if u != r.nsteps[k]:
+            raise _fail(f"{where}: step {u} of stage {k} but {r.nsteps[k]} steps came before (number them 0, 1, "
+                        "...)")
+        replicated = len(self.holders[k]) > 1
+        if replicated and (prev is None or prev.op is not Op.ALLREDUCE or prev.stage != k or prev.mb != u):
+            raise _fail(f"{where}: a replicated stage must all-reduce right before each step "
+                        f"({k}ALLREDUCE{u})")
+        r.nsteps[k] += 1
+
+    # ------------------------------------------------------------------ across ranks
+
+    def check_coverage(self) -> None:
+        """Every unit once per stage, with F and (B or I+W)."""
+        for k in range(self.S):
+            for u in range(self.units):
+                f = self.counts[(k, Op.F, u)]
+                b, i_, w = self.counts[(k, Op.B, u)], self.counts[(k, Op.I, u)], self.counts[(k, Op.W, u)]
+                if f != 1 or not ((b == 1 and i_ == 0 and w == 0) or (b == 0 and i_ == 1 and w == 1)):
+                    raise _fail(f"stage {k} unit {u}: {f} forwards, {b} backwards, {i_} I, {w} W; "
+                                f"every unit needs one forward and one backward (or one I and one W) per stage")
+
+    def check_transfers(self) -> None:
+        """Transfers pair up, and go to the rank that runs the unit there."""
+        sends, recvs = self.sends, self.recvs
+        for key, n in sends.items():
             stage, op, u, src, dst = key
-            raise _fail(f"rank {dst} waits for {stage}{op.value}{u}<{src} but rank {src} sends it {sends.get(key, 0)} "
-                        "time(s)")
-    # Every transfer the data flow needs is present (relay: stage k to k+1 and back).
-    for (k, u), rank in compute_rank.items():
-        if k > 0 and recvs.get((k, Op.RECV_F, u, compute_rank.get((k - 1, u), -1), rank), 0) != 1:
-            raise _fail(f"stage {k} unit {u} on rank {rank} has no RECV_F from the rank of stage {k - 1}")
-        if k < S - 1 and recvs.get((k, Op.RECV_B, u, compute_rank.get((k + 1, u), -1), rank), 0) != 1:
-            raise _fail(f"stage {k} unit {u} on rank {rank} has no RECV_B from the rank of stage {k + 1}")
-    # Replicas all-reduce the same steps in the same order.
-    for k, per_rank in allreduces.items():
-        if len(holders[k]) == 1:
-            raise _fail(f"stage {k} has one replica but all-reduces; ALLREDUCE is only for replicated stages")
-        seqs = {r: per_rank.get(r, []) for r in holders[k]}
-        ref = seqs[min(seqs)]
-        for r, seq in seqs.items():
-            if seq != ref:
-                raise _fail(f"replicas of stage {k} all-reduce different steps: rank {min(seqs)} {ref}, rank {r} {seq}")
+            if recvs.get(key, 0) != n:
+                raise _fail(f"rank {src} sends {op.value.replace('RECV', 'SEND')} of unit {u} to rank {dst} "
+                            f"{n} time(s), but rank {dst} posts {recvs.get(key, 0)} matching "
+                            f"{stage}{op.value}{u}<{src}")
+            if self.compute_rank.get((stage, u)) != dst:
+                raise _fail(f"rank {src} sends unit {u} to rank {dst}, but stage {stage} runs it on rank "
+                            f"{self.compute_rank.get((stage, u))}")
+        for key, n in recvs.items():
+            if sends.get(key, 0) != n:
+                stage, op, u, src, dst = key
+                raise _fail(f"rank {dst} waits for {stage}{op.value}{u}<{src} but rank {src} sends it "
+                            f"{sends.get(key, 0)} time(s)")
+
+    def check_relays(self) -> None:
+        """Every transfer the data flow needs is present (relay: stage k to k+1 and back)."""
+        compute_rank, recvs = self.compute_rank, self.recvs
+        for (k, u), rank in compute_rank.items():
+            if k > 0 and recvs.get((k, Op.RECV_F, u, compute_rank.get((k - 1, u), -1), rank), 0) != 1:
+                raise _fail(f"stage {k} unit {u} on rank {rank} has no RECV_F from the rank of stage {k - 1}")
+            if k < self.S - 1 and recvs.get((k, Op.RECV_B, u, compute_rank.get((k + 1, u), -1), rank), 0) != 1:
+                raise _fail(f"stage {k} unit {u} on rank {rank} has no RECV_B from the rank of stage {k + 1}")
+
+    def check_allreduces(self) -> None:
+        """Replicas all-reduce the same steps in the same order."""
+        for k, per_rank in self.allreduces.items():
+            if len(self.holders[k]) == 1:
+                raise _fail(f"stage {k} has one replica but all-reduces; ALLREDUCE is only for replicated stages")
+            seqs = {r: per_rank.get(r, []) for r in self.holders[k]}
+            ref = seqs[min(seqs)]
+            for r, seq in seqs.items():
+                if seq != ref:
+                    raise _fail(f"replicas of stage {k} all-reduce different steps: rank {min(seqs)} {ref}, "
+                                f"rank {r} {seq}")
+
+
+def check_structure(schedule: Schedule) -> None:
+    """Checks 1 to 4 of the module docstring (everything but progress)."""
+    check = _StructureCheck(schedule)
+    for rank, actions in enumerate(schedule.workers):
+        check.read_rank(rank, actions)
+    check.check_coverage()
+    check.check_transfers()
+    check.check_relays()
+    check.check_allreduces()
 
 
 def dry_run(schedule: Schedule) -> None:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import PlanError, ProfileError
+from ..plan.stage_memory import loss_held_bytes, node_held_bytes
 from ..plan.types import Plan, Topology
 from ..profile.types import Profile
 from ..schedule.action import Op
@@ -186,90 +187,33 @@ class StageCosts:
                 layers (and of every weight of a replicated stage) live in persistent buffers;
                 the others exist from a group's first backward to its STEP.
         """
-        if isinstance(units, bool) or not isinstance(units, int) or units < 1:
-            raise PlanError(
-                f"units must be an integer >= 1 (got {units!r}); pass the number of microbatches per minibatch")
-        if not isinstance(plan, Plan):
-            raise PlanError(
-                f"from_plan() needs a Plan, got {type(plan).__name__}; load one with Plan.load('plan.json')")
-        if not isinstance(profile, Profile):
-            raise ProfileError(
-                f"from_plan() needs a Profile, got {type(profile).__name__}; load one with load_profile(path)")
-        _check_seconds(step_time, "step_time")
-        _check_seconds(latency, "latency")
+        _check_plan_inputs(plan, profile, units, step_time, latency)
         S = plan.num_stages
-        stage_of: dict[str, int] = {}
-        for k, st in enumerate(plan.stages):
-            for name in st.nodes:
-                stage_of[name] = k
-        known = set(profile.names)
-        missing = [n for n in stage_of if n not in known]
-        if missing:
-            raise ProfileError(
-                f"plan and profile disagree: plan nodes {missing[:5]} are not in the profile of {profile.model!r}; "
-                f"simulate with the profile the plan was made from"
-            )
-        for node in profile.nodes:
-            if node.name not in stage_of:
-                if node.is_input:
-                    stage_of[node.name] = 0
-                else:
-                    raise PlanError(
-                        f"profile node {node.name!r} is in no stage of the plan; plan and profile disagree, "
-                        f"use the profile the plan was made from"
-                    )
-        fwd = [0.0] * S
-        bwd = [0.0] * S
-        params = [0.0] * S
-        held = [0.0] * S
-        linear = [0.0] * S  # weight bytes of Linear layers (fused gradient sinks)
-        kept = [0.0] * S  # [zero-bubble] output bytes of the weight-holding layers: what I keeps for W
-        # What a unit really holds (plan/memory.py): autograd's saved tensors, when the profile
-        # measured them; else every node's output and the stage's input (the older rule).
-        from ..plan.memory import loss_held_bytes, node_held_bytes  # plan imports the simulator's costs
-
+        # What a unit holds (plan/stage_memory.py): autograd's saved tensors, when the profile
+        # measured them; else every node's output and the stage's input.
+        stage_of = _stage_of(plan, profile)
         saved = node_held_bytes(profile) if profile.has_saved_bytes else None
-        cut_act = [0.0] * max(S - 1, 0)
-        cut_grad = [0.0] * max(S - 1, 0)
-        last_reader: dict[str, int] = {}
-        for node in profile.nodes:
-            for src in node.inputs:
-                last_reader[src] = max(last_reader.get(src, -1), stage_of[node.name])
-        for node in profile.nodes:
-            k = stage_of[node.name]
-            if not node.is_input:
-                fwd[k] += node.forward_time
-                bwd[k] += node.backward_time
-                held[k] += node.activation_bytes if saved is None else saved[node.name]
-                if node.parameter_bytes > 0 and k > 0:  # stage 0's I does nothing (no input gradient)
-                    kept[k] += node.activation_bytes
-            params[k] += node.parameter_bytes
-            if fused_linear and node.kind == "module" and node.op.startswith("Linear("):
-                linear[k] += node.parameter_bytes
-            for cut in range(k, last_reader.get(node.name, k)):
-                cut_act[cut] += node.activation_bytes
-                if not node.is_input:
-                    cut_grad[cut] += node.activation_bytes
+        sums = _StageSums.of(profile, stage_of, S, saved, fused_linear)
         osb = profile.optimizer_state_bytes_per_parameter_byte
-        stages = []
         if saved is not None and S:
-            held[S - 1] += loss_held_bytes(profile)
+            sums.held[S - 1] += loss_held_bytes(profile)
+        stages = []
         for k in range(S):
-            # the older rule counts the received input as held; with saved bytes, the receive
+            # without saved bytes the received input counts as held; with them, the receive
             # buffers are the simulator's communication pool (engine._memory)
-            received = cut_act[k - 1] if k > 0 and saved is None else 0.0
-            persistent, transient = _gradient_split(params[k], linear[k], plan.stages[k].replicas,
+            received = sums.cut_act[k - 1] if k > 0 and saved is None else 0.0
+            persistent, transient = _gradient_split(sums.params[k], sums.linear[k], plan.stages[k].replicas,
                                                     profile.has_saved_bytes)
             stages.append(StageCost(
-                forward_time=fwd[k] / units,
-                backward_time=bwd[k] / units,
-                activation_send_bytes=(cut_act[k] if k < S - 1 else 0.0) / units,
-                grad_send_bytes=(cut_grad[k - 1] if k > 0 else 0.0) / units,
-                parameter_bytes=params[k],
-                activation_bytes=(held[k] + received) / units,
+                forward_time=sums.fwd[k] / units,
+                backward_time=sums.bwd[k] / units,
+                activation_send_bytes=(sums.cut_act[k] if k < S - 1 else 0.0) / units,
+                grad_send_bytes=(sums.cut_grad[k - 1] if k > 0 else 0.0) / units,
+                parameter_bytes=sums.params[k],
+                activation_bytes=(sums.held[k] + received) / units,
                 step_time=step_time,
-                optimizer_bytes=params[k] * osb,
-                kept_grad_bytes=kept[k] / units,
+                optimizer_bytes=sums.params[k] * osb,
+                kept_grad_bytes=sums.kept[k] / units,
                 gradient_bytes=persistent, transient_gradient_bytes=transient,
             ))
         topo = topology if topology is not None else plan.topology
@@ -281,10 +225,91 @@ class StageCosts:
         return replace(self, stages=[replace(s, step_time=step_time) for s in self.stages])
 
 
+def _check_plan_inputs(plan: Plan, profile: Profile, units: int, step_time: float, latency: float) -> None:
+    if isinstance(units, bool) or not isinstance(units, int) or units < 1:
+        raise PlanError(
+            f"units must be an integer >= 1 (got {units!r}); pass the number of microbatches per minibatch")
+    if not isinstance(plan, Plan):
+        raise PlanError(
+            f"from_plan() needs a Plan, got {type(plan).__name__}; load one with Plan.load('plan.json')")
+    if not isinstance(profile, Profile):
+        raise ProfileError(
+            f"from_plan() needs a Profile, got {type(profile).__name__}; load one with load_profile(path)")
+    _check_seconds(step_time, "step_time")
+    _check_seconds(latency, "latency")
+
+
+def _stage_of(plan: Plan, profile: Profile) -> dict[str, int]:
+    """Node name -> its stage; model inputs the plan does not list belong to stage 0. Raises
+    when the plan and the profile name different nodes."""
+    stage_of: dict[str, int] = {}
+    for k, st in enumerate(plan.stages):
+        for name in st.nodes:
+            stage_of[name] = k
+    known = set(profile.names)
+    missing = [n for n in stage_of if n not in known]
+    if missing:
+        raise ProfileError(
+            f"plan and profile disagree: plan nodes {missing[:5]} are not in the profile of {profile.model!r}; "
+            f"simulate with the profile the plan was made from"
+        )
+    for node in profile.nodes:
+        if node.name not in stage_of:
+            if node.is_input:
+                stage_of[node.name] = 0
+            else:
+                raise PlanError(
+                    f"profile node {node.name!r} is in no stage of the plan; plan and profile disagree, "
+                    f"use the profile the plan was made from"
+                )
+    return stage_of
+
+
+@dataclass
+class _StageSums:
+    """Per-minibatch sums over every stage's nodes (``cut_*``: over every cut's crossing outputs)."""
+
+    fwd: list[float]
+    bwd: list[float]
+    params: list[float]
+    held: list[float]      # what a minibatch in flight holds (saved tensors, or node outputs)
+    linear: list[float]    # weight bytes of Linear layers (fused gradient sinks)
+    kept: list[float]      # zero-bubble: output bytes of the weight-holding layers, what I keeps for W
+    cut_act: list[float]   # forward message of each cut (relay: an output crosses every cut to its last reader)
+    cut_grad: list[float]  # backward message of each cut (no gradient for model inputs)
+
+    @staticmethod
+    def of(profile: Profile, stage_of: dict[str, int], S: int, saved: dict[str, float] | None,
+           fused_linear: bool) -> _StageSums:
+        ncuts = max(S - 1, 0)
+        sums = _StageSums([0.0] * S, [0.0] * S, [0.0] * S, [0.0] * S, [0.0] * S, [0.0] * S,
+                          [0.0] * ncuts, [0.0] * ncuts)
+        last_reader: dict[str, int] = {}
+        for node in profile.nodes:
+            for src in node.inputs:
+                last_reader[src] = max(last_reader.get(src, -1), stage_of[node.name])
+        for node in profile.nodes:
+            k = stage_of[node.name]
+            if not node.is_input:
+                sums.fwd[k] += node.forward_time
+                sums.bwd[k] += node.backward_time
+                sums.held[k] += node.activation_bytes if saved is None else saved[node.name]
+                if node.parameter_bytes > 0 and k > 0:  # stage 0's I does nothing (no input gradient)
+                    sums.kept[k] += node.activation_bytes
+            sums.params[k] += node.parameter_bytes
+            if fused_linear and node.kind == "module" and node.op.startswith("Linear("):
+                sums.linear[k] += node.parameter_bytes
+            for cut in range(k, last_reader.get(node.name, k)):
+                sums.cut_act[cut] += node.activation_bytes
+                if not node.is_input:
+                    sums.cut_grad[cut] += node.activation_bytes
+        return sums
+
+
 def _gradient_split(params: float, linear: float, replicas: int, exact: bool) -> tuple[float | None, float]:
     """StageCost's ``gradient_bytes`` and ``transient_gradient_bytes``: every gradient persistent
-    (the older rule, or a replicated stage's flat buffers), else the Linear sinks persistent
-    and the rest transient."""
+    (a profile without saved bytes, or a replicated stage's flat buffers), else the Linear
+    sinks persistent and the rest transient."""
     if not exact or replicas > 1:
         return None, 0.0
     return linear, params - linear

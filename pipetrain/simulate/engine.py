@@ -35,7 +35,7 @@ Derived figures (see docs/schedules.md, "Simulator"):
   costs' per-unit sizes, by the conventions the runtime counts with (docs/traffic.md);
   ``bytes_per_sample`` in the summary when the costs know the batch size.
 - peak memory per worker, the accounting of the runtime's tensor ledger
-  (:mod:`pipetrain.runtime.tensor_memory`, docs/performance.md "Memory"): gradient
+  (:mod:`pipetrain.runtime.guards.tensor_ledger`, docs/performance.md "Memory"): gradient
   accumulators held throughout (fused ``Linear`` sinks, flat all-reduce buffers) + optimizer
   state + cached input data, plus, over time, the other gradients (from a group's first
   backward to its STEP), live weight versions
@@ -50,15 +50,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ScheduleError
-from ..plan.traffic import Traffic
-from ..schedule.action import Op, Schedule
+from ..schedule.action import Action, Op, Schedule
 from ..schedule.events import Event, steady_state_time_per_minibatch
 from ..schedule.layout import lcm
 from ..schedule.registry import SCHEDULES
+from ..schedule.traffic import Traffic
 from ..schedule.validate import TransferKey, deadlock_error, transfer_key
 from .costs import StageCosts
 from .traffic import simulated_samples, simulated_traffic, traffic_summary
@@ -127,6 +128,11 @@ class SimResult:
 
 def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     """Run ``schedule`` on ``costs`` and return timelines and figures (see module docstring)."""
+    _check_inputs(schedule, costs)
+    return _summarise(schedule, costs, _EventLoop(schedule, costs).run())
+
+
+def _check_inputs(schedule: Schedule, costs: StageCosts) -> None:
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"simulate() needs a Schedule, got {type(schedule).__name__}; "
                             f"build one with build_schedule('pipedream', [1, 1], steps=8)")
@@ -138,96 +144,131 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
             f"costs cover {len(costs)} stages but schedule {schedule.name!r} has {schedule.num_stages}; "
             f"build the costs for the schedule's stages"
         )
-    W = schedule.num_workers
-    lists = schedule.workers
-    pcs = [0] * W
-    clock = [0.0] * W
-    timelines: list[list[Event]] = [[] for _ in range(W)]
-    mailbox: dict[TransferKey, deque[float]] = defaultdict(deque)
-    recv_waiting: dict[TransferKey, int] = {}
-    link_free: dict[tuple[int, int], float] = defaultdict(float)
-    ar_ready: dict[tuple[int, int], set[int]] = defaultdict(set)
-    heap: list[tuple[float, int, int]] = [(0.0, r, r) for r in range(W) if lists[r]]
-    heapq.heapify(heap)
-    seq = W
 
-    def push(rank: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(heap, (clock[rank], seq, rank))
 
-    while heap:
-        _, _, r = heapq.heappop(heap)
-        if pcs[r] >= len(lists[r]):
-            continue
-        a = lists[r][pcs[r]]
-        t = clock[r]
-        if a.op in _COMPUTE:
-            end = t + costs[a.stage].compute_time(a.op)
-            timelines[r].append(Event(r, a, t, end))
-            clock[r] = end
-            pcs[r] += 1
-            push(r)
-        elif a.op in (Op.SEND_F, Op.SEND_B):
-            st = costs[a.stage]
-            nbytes = st.activation_send_bytes if a.op is Op.SEND_F else st.grad_send_bytes
-            if a.peer is None:
-                raise ScheduleError(f"rank {r} action {pcs[r]} ({a.long}) has no peer; build schedules with "
-                                    f"build_schedule or insert_comm, which set every transfer's peer")
-            dst = a.peer
-            start = max(t, link_free[(r, dst)])
-            dur = costs.transfer_time(nbytes, r, dst)
-            serial = dur - (costs.latency if dur > 0 else 0.0)
-            link_free[(r, dst)] = start + serial
-            timelines[r].append(Event(r, a, start, start + dur))
-            key = transfer_key(r, a)
-            mailbox[key].append(start + dur)
-            pcs[r] += 1
-            push(r)
-            if key in recv_waiting:
-                push(recv_waiting.pop(key))
-        elif a.op in (Op.RECV_F, Op.RECV_B):
-            if a.peer is None:
-                raise ScheduleError(f"rank {r} action {pcs[r]} ({a.long}) has no peer; build schedules with "
-                                    f"build_schedule or insert_comm, which set every transfer's peer")
-            key = transfer_key(r, a)
-            if not mailbox[key]:
-                recv_waiting[key] = r
+def _no_peer(r: int, pc: int, a: Action) -> ScheduleError:
+    return ScheduleError(f"rank {r} action {pc} ({a.long}) has no peer; build schedules with "
+                         f"build_schedule or insert_comm, which set every transfer's peer")
+
+
+class _EventLoop:
+    """The simulation's state: every rank's next action and clock, the messages in flight,
+    each directed link's next free time and the all-reduces waiting for their group.
+
+    Ranks are taken from a heap in clock order (ties: the order they were pushed); a rank
+    that cannot proceed (a RECV before its message, an ALLREDUCE before its group) leaves the
+    heap until the event it waits for pushes it back.
+    """
+
+    def __init__(self, schedule: Schedule, costs: StageCosts) -> None:
+        W = schedule.num_workers
+        self.schedule = schedule
+        self.costs = costs
+        self.lists = schedule.workers
+        self.pcs = [0] * W
+        self.clock = [0.0] * W
+        self.timelines: list[list[Event]] = [[] for _ in range(W)]
+        self.mailbox: dict[TransferKey, deque[float]] = defaultdict(deque)
+        self.recv_waiting: dict[TransferKey, int] = {}
+        self.link_free: dict[tuple[int, int], float] = defaultdict(float)
+        self.ar_ready: dict[tuple[int, int], set[int]] = defaultdict(set)
+        self.heap: list[tuple[float, int, int]] = [(0.0, r, r) for r in range(W) if self.lists[r]]
+        heapq.heapify(self.heap)
+        self.seq = W
+
+    def push(self, rank: int) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (self.clock[rank], self.seq, rank))
+
+    def run(self) -> list[list[Event]]:
+        """Every rank's events in list order; raises the validator's deadlock error if some
+        rank can never proceed."""
+        while self.heap:
+            _, _, r = heapq.heappop(self.heap)
+            if self.pcs[r] >= len(self.lists[r]):
                 continue
-            arrival = mailbox[key].popleft()
-            end = max(t, arrival)
-            timelines[r].append(Event(r, a, t, end))
-            clock[r] = end
-            pcs[r] += 1
-            push(r)
-        elif a.op is Op.ALLREDUCE:
-            group = schedule.stage_ranks[a.stage]
-            ready = ar_ready[(a.stage, a.mb)]
-            ready.add(r)
-            if not all(g in ready for g in group):
-                continue
-            start = max(clock[g] for g in group)
-            end = start + costs.allreduce_time(a.stage, group)
-            for g in group:
-                ga = lists[g][pcs[g]]
-                if ga != a:
-                    raise deadlock_error(schedule, pcs, {g: f"expected {a.long}"})
-                timelines[g].append(Event(g, ga, start, end))
-                clock[g] = end
-                pcs[g] += 1
-                push(g)
-            del ar_ready[(a.stage, a.mb)]
-        else:  # pragma: no cover - Op is closed
-            raise ScheduleError(f"cannot simulate action {a.long}")
-    if any(pc < len(lists[r]) for r, pc in enumerate(pcs)):
+            a = self.lists[r][self.pcs[r]]
+            if a.op in _COMPUTE:
+                self._compute(r, a)
+            elif a.op in (Op.SEND_F, Op.SEND_B):
+                self._send(r, a)
+            elif a.op in (Op.RECV_F, Op.RECV_B):
+                self._receive(r, a)
+            elif a.op is Op.ALLREDUCE:
+                self._allreduce(r, a)
+            else:  # pragma: no cover - Op is closed
+                raise ScheduleError(f"cannot simulate action {a.long}")
+        self._check_finished()
+        return self.timelines
+
+    def _done(self, r: int, a: Action, start: float, end: float) -> None:
+        """Rank ``r`` ran ``a`` from ``start`` to ``end``: record it, move on, requeue the rank."""
+        self.timelines[r].append(Event(r, a, start, end))
+        self.clock[r] = end
+        self.pcs[r] += 1
+        self.push(r)
+
+    def _compute(self, r: int, a: Action) -> None:
+        t = self.clock[r]
+        self._done(r, a, t, t + self.costs[a.stage].compute_time(a.op))
+
+    def _send(self, r: int, a: Action) -> None:
+        """The transfer starts when the link is free and arrives ``latency + bytes/bandwidth``
+        later; the sender moves on at once (its clock does not advance)."""
+        t = self.clock[r]
+        st = self.costs[a.stage]
+        nbytes = st.activation_send_bytes if a.op is Op.SEND_F else st.grad_send_bytes
+        if a.peer is None:
+            raise _no_peer(r, self.pcs[r], a)
+        dst = a.peer
+        start = max(t, self.link_free[(r, dst)])
+        dur = self.costs.transfer_time(nbytes, r, dst)
+        serial = dur - (self.costs.latency if dur > 0 else 0.0)
+        self.link_free[(r, dst)] = start + serial
+        self.timelines[r].append(Event(r, a, start, start + dur))
+        key = transfer_key(r, a)
+        self.mailbox[key].append(start + dur)
+        self.pcs[r] += 1
+        self.push(r)
+        if key in self.recv_waiting:
+            self.push(self.recv_waiting.pop(key))
+
+    def _receive(self, r: int, a: Action) -> None:
+        if a.peer is None:
+            raise _no_peer(r, self.pcs[r], a)
+        key = transfer_key(r, a)
+        if not self.mailbox[key]:
+            self.recv_waiting[key] = r  # the matching SEND pushes this rank again
+            return
+        t = self.clock[r]
+        self._done(r, a, t, max(t, self.mailbox[key].popleft()))
+
+    def _allreduce(self, r: int, a: Action) -> None:
+        """Starts when every replica of the stage has reached it; all leave it together."""
+        group = self.schedule.stage_ranks[a.stage]
+        ready = self.ar_ready[(a.stage, a.mb)]
+        ready.add(r)
+        if not all(g in ready for g in group):
+            return
+        start = max(self.clock[g] for g in group)
+        end = start + self.costs.allreduce_time(a.stage, group)
+        for g in group:
+            ga = self.lists[g][self.pcs[g]]
+            if ga != a:
+                raise deadlock_error(self.schedule, self.pcs, {g: f"expected {a.long}"})
+            self._done(g, ga, start, end)
+        del self.ar_ready[(a.stage, a.mb)]
+
+    def _check_finished(self) -> None:
+        if all(pc >= len(self.lists[r]) for r, pc in enumerate(self.pcs)):
+            return
         why = {}
-        for r, pc in enumerate(pcs):
-            if pc < len(lists[r]):
-                a = lists[r][pc]
+        for r, pc in enumerate(self.pcs):
+            if pc < len(self.lists[r]):
+                a = self.lists[r][pc]
                 if a.peer is not None and a.op in (Op.RECV_F, Op.RECV_B):
                     why[r] = f"waits for rank {a.peer}"
-        raise deadlock_error(schedule, pcs, why)
-    return _summarise(schedule, costs, timelines)
+        raise deadlock_error(self.schedule, self.pcs, why)
 
 
 def _summarise(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]]) -> SimResult:
@@ -323,102 +364,151 @@ def _memory(schedule: Schedule, costs: StageCosts, timelines: list[list[Event]],
     for rank, tl in enumerate(timelines):
         stages = schedule.stages_of_rank(rank)
         static = sum(costs[k].gradient_held + costs[k].optimizer_bytes + costs[k].data_bytes for k in stages)
-        # Deltas (time, order, bytes, units, versions); order 0 releases before 1 acquires.
-        deltas: list[tuple[float, int, float, int, int]] = []
-        fstart: dict[tuple[int, int], float] = {}
-        bend: dict[tuple[int, int], float] = {}
-        iend: dict[tuple[int, int], float] = {}
-        step_end: dict[tuple[int, int], float] = {}
-        last_use: dict[tuple[int, int], float] = {}
-        for e in tl:
-            a = e.action
-            if a.op is Op.F:
-                fstart[(a.stage, a.mb)] = e.start
-            elif a.op in _BACKWARD_END:
-                bend[(a.stage, a.mb)] = e.end
-            if a.op is Op.I:
-                iend[(a.stage, a.mb)] = e.end
-            elif a.op is Op.STEP:
-                step_end[(a.stage, a.mb)] = e.end
-            if a.version is not None and a.op in (Op.F, Op.B, Op.I, Op.W):
-                key = (a.stage, a.version)
-                last_use[key] = max(last_use.get(key, 0.0), e.end)
-        for (k, u), t0 in fstart.items():
-            t1 = bend.get((k, u), makespan)
-            act = costs[k].activation_bytes
-            deltas.append((t0, 1, act, 1, 0))
-            deltas.append((t1, 0, -act, -1, 0))
-            kept = costs[k].kept_grad_bytes
-            if (k, u) in iend and kept > 0:  # [zero-bubble] what I keeps for W
-                deltas.append((iend[(k, u)], 1, kept, 0, 0))
-                deltas.append((t1, 0, -kept, 0, 0))
-        for k in stages:  # gradients autograd returns: from a group's first backward to its STEP
-            grad = costs[k].transient_gradient_bytes
-            if grad <= 0:
-                continue
-            held_since: float | None = None
-            for e in tl:
-                a = e.action
-                if a.stage != k:
-                    continue
-                if a.op in _BACKWARD_END and held_since is None:
-                    held_since = e.end
-                    deltas.append((e.end, 1, grad, 0, 0))
-                elif a.op is Op.STEP and held_since is not None:
-                    deltas.append((e.end, 0, -grad, 0, 0))
-                    held_since = None
-            if held_since is not None:
-                deltas.append((makespan, 0, -grad, 0, 0))
-        for k in stages:
-            nsteps = sum(1 for (s, _) in step_end if s == k)
-            for v in range(nsteps + 1):
-                born = 0.0 if v == 0 else step_end[(k, v - 1)]
-                superseded = step_end.get((k, v), makespan)
-                dies = max(superseded, last_use.get((k, v), born))
-                w = costs[k].parameter_bytes
-                deltas.append((born, 1, w, 0, 1))
-                deltas.append((dies, 0, -w, 0, -1))
-        # Receive buffers (comm's pool): a message's buffer is taken when its RECV is posted
-        # (``lookahead`` actions ahead) and given back when the unit's backward ends; the pool
-        # never shrinks, so each kind of message holds the most buffers it ever had in use.
-        pool: list[tuple[float, int, tuple[int, int], float]] = []
-        for j, e in enumerate(tl):
-            a = e.action
-            if a.op not in (Op.RECV_F, Op.RECV_B) or a.peer == rank:
-                continue
-            src = a.stage - 1 if a.op is Op.RECV_F else a.stage + 1
-            if not 0 <= src < len(costs):
-                continue
-            nbytes = costs[src].activation_send_bytes if a.op is Op.RECV_F else costs[src].grad_send_bytes
-            if nbytes <= 0:
-                continue
-            posted = tl[max(0, j - costs.lookahead)].start
-            kind = (a.stage, 0 if a.op is Op.RECV_F else 1)
-            pool.append((posted, 1, kind, nbytes))
-            pool.append((bend.get((a.stage, a.mb), makespan), 0, kind, nbytes))
-        deltas.extend((t, order, 0.0, 0, 0) for t, order, _, _ in pool)  # sample at every pool change
-        changes = sorted(pool, key=lambda d: (d[0], d[1]))
-        in_use: dict[tuple[int, int], int] = defaultdict(int)
-        allocated: dict[tuple[int, int], int] = defaultdict(int)
-        deltas.sort(key=lambda d: (d[0], d[1]))
-        mem = peak_mem = comm = 0.0
-        units = peak_units = versions = peak_v = 0
-        ci = 0
-        for t, order, b, n, v in deltas:
-            while ci < len(changes) and (changes[ci][0], changes[ci][1]) <= (t, order):
-                _, acq, kind, nbytes = changes[ci]
-                in_use[kind] += 1 if acq else -1
-                if in_use[kind] > allocated[kind]:
-                    allocated[kind] = in_use[kind]
-                    comm += nbytes
-                ci += 1
-            mem += b
-            units += n
-            versions += v
-            peak_mem = max(peak_mem, mem + comm)
-            peak_units = max(peak_units, units)
-            peak_v = max(peak_v, versions)
+        marks = _Marks.of(tl)
+        deltas = (_unit_deltas(costs, marks, makespan) + _gradient_deltas(costs, stages, tl, makespan)
+                  + _version_deltas(costs, stages, marks, makespan))
+        pool = _pool_changes(costs, rank, tl, marks, makespan)
+        peak_mem, peak_units, peak_v = _peaks(deltas, pool)
         peaks_mem.append(static + peak_mem)
         peaks_units.append(peak_units)
         peaks_versions.append(peak_v)
     return peaks_mem, peaks_units, peaks_versions
+
+
+#: A change of a worker's memory at a time: (time, order, bytes, units, versions); order 0
+#: (a release) sorts before 1 (an acquisition) at the same time.
+_Delta = tuple[float, int, float, int, int]
+#: A receive buffer taken (order 1) or given back (order 0): (time, order, message kind, bytes).
+_PoolChange = tuple[float, int, tuple[int, int], float]
+
+
+@dataclass
+class _Marks:
+    """When each unit's pieces ran on one worker, keyed by (stage, unit); versions by (stage, version)."""
+
+    forward_start: dict[tuple[int, int], float] = field(default_factory=dict)
+    backward_end: dict[tuple[int, int], float] = field(default_factory=dict)   # the last piece (B or W)
+    input_grad_end: dict[tuple[int, int], float] = field(default_factory=dict)  # zero-bubble I
+    step_end: dict[tuple[int, int], float] = field(default_factory=dict)
+    last_use: dict[tuple[int, int], float] = field(default_factory=dict)       # a weight version's last read
+
+    @staticmethod
+    def of(tl: list[Event]) -> _Marks:
+        m = _Marks()
+        for e in tl:
+            a = e.action
+            if a.op is Op.F:
+                m.forward_start[(a.stage, a.mb)] = e.start
+            elif a.op in _BACKWARD_END:
+                m.backward_end[(a.stage, a.mb)] = e.end
+            if a.op is Op.I:
+                m.input_grad_end[(a.stage, a.mb)] = e.end
+            elif a.op is Op.STEP:
+                m.step_end[(a.stage, a.mb)] = e.end
+            if a.version is not None and a.op in (Op.F, Op.B, Op.I, Op.W):
+                key = (a.stage, a.version)
+                m.last_use[key] = max(m.last_use.get(key, 0.0), e.end)
+        return m
+
+
+def _unit_deltas(costs: StageCosts, marks: _Marks, makespan: float) -> list[_Delta]:
+    """A unit's activations from its forward's start to its backward's end, and what a
+    zero-bubble I keeps for its W from the end of I to the end of W."""
+    deltas: list[_Delta] = []
+    for (k, u), t0 in marks.forward_start.items():
+        t1 = marks.backward_end.get((k, u), makespan)
+        act = costs[k].activation_bytes
+        deltas.append((t0, 1, act, 1, 0))
+        deltas.append((t1, 0, -act, -1, 0))
+        kept = costs[k].kept_grad_bytes
+        if (k, u) in marks.input_grad_end and kept > 0:
+            deltas.append((marks.input_grad_end[(k, u)], 1, kept, 0, 0))
+            deltas.append((t1, 0, -kept, 0, 0))
+    return deltas
+
+
+def _gradient_deltas(costs: StageCosts, stages: Sequence[int], tl: list[Event], makespan: float) -> list[_Delta]:
+    """The gradients autograd returns: held from a group's first backward to its STEP."""
+    deltas: list[_Delta] = []
+    for k in stages:
+        grad = costs[k].transient_gradient_bytes
+        if grad <= 0:
+            continue
+        held_since: float | None = None
+        for e in tl:
+            a = e.action
+            if a.stage != k:
+                continue
+            if a.op in _BACKWARD_END and held_since is None:
+                held_since = e.end
+                deltas.append((e.end, 1, grad, 0, 0))
+            elif a.op is Op.STEP and held_since is not None:
+                deltas.append((e.end, 0, -grad, 0, 0))
+                held_since = None
+        if held_since is not None:
+            deltas.append((makespan, 0, -grad, 0, 0))
+    return deltas
+
+
+def _version_deltas(costs: StageCosts, stages: Sequence[int], marks: _Marks, makespan: float) -> list[_Delta]:
+    """A weight version lives from the step that makes it until it is superseded and no longer used."""
+    deltas: list[_Delta] = []
+    for k in stages:
+        nsteps = sum(1 for (s, _) in marks.step_end if s == k)
+        for v in range(nsteps + 1):
+            born = 0.0 if v == 0 else marks.step_end[(k, v - 1)]
+            superseded = marks.step_end.get((k, v), makespan)
+            dies = max(superseded, marks.last_use.get((k, v), born))
+            w = costs[k].parameter_bytes
+            deltas.append((born, 1, w, 0, 1))
+            deltas.append((dies, 0, -w, 0, -1))
+    return deltas
+
+
+def _pool_changes(costs: StageCosts, rank: int, tl: list[Event], marks: _Marks, makespan: float) -> list[_PoolChange]:
+    """Receive buffers (comm's pool): a message's buffer is taken when its RECV is posted
+    (``lookahead`` actions ahead) and given back when the unit's backward ends."""
+    pool: list[_PoolChange] = []
+    for j, e in enumerate(tl):
+        a = e.action
+        if a.op not in (Op.RECV_F, Op.RECV_B) or a.peer == rank:
+            continue
+        src = a.stage - 1 if a.op is Op.RECV_F else a.stage + 1
+        if not 0 <= src < len(costs):
+            continue
+        nbytes = costs[src].activation_send_bytes if a.op is Op.RECV_F else costs[src].grad_send_bytes
+        if nbytes <= 0:
+            continue
+        posted = tl[max(0, j - costs.lookahead)].start
+        kind = (a.stage, 0 if a.op is Op.RECV_F else 1)
+        pool.append((posted, 1, kind, nbytes))
+        pool.append((marks.backward_end.get((a.stage, a.mb), makespan), 0, kind, nbytes))
+    return pool
+
+
+def _peaks(deltas: list[_Delta], pool: list[_PoolChange]) -> tuple[float, int, int]:
+    """Peak bytes (the deltas plus the pool), units and versions over time. The pool never
+    shrinks, so each kind of message holds the most buffers it ever had in use."""
+    deltas = deltas + [(t, order, 0.0, 0, 0) for t, order, _, _ in pool]  # sample at every pool change
+    changes = sorted(pool, key=lambda d: (d[0], d[1]))
+    in_use: dict[tuple[int, int], int] = defaultdict(int)
+    allocated: dict[tuple[int, int], int] = defaultdict(int)
+    deltas.sort(key=lambda d: (d[0], d[1]))
+    mem = peak_mem = comm = 0.0
+    units = peak_units = versions = peak_v = 0
+    ci = 0
+    for t, order, b, n, v in deltas:
+        while ci < len(changes) and (changes[ci][0], changes[ci][1]) <= (t, order):
+            _, acq, kind, nbytes = changes[ci]
+            in_use[kind] += 1 if acq else -1
+            if in_use[kind] > allocated[kind]:
+                allocated[kind] = in_use[kind]
+                comm += nbytes
+            ci += 1
+        mem += b
+        units += n
+        versions += v
+        peak_mem = max(peak_mem, mem + comm)
+        peak_units = max(peak_units, units)
+        peak_v = max(peak_v, versions)
+    return peak_mem, peak_units, peak_v

@@ -31,7 +31,7 @@ __all__ = ["COMPUTE_TID", "chrome_trace", "save_trace", "to_chrome_trace", "trac
 
 def to_chrome_trace(result: SimResult) -> dict[str, Any]:
     """The simulated run as a Chrome trace dict (``{"traceEvents": [...], ...}``); ``otherData``
-    carries the predicted traffic (:func:`~pipetrain.plan.traffic.traffic_report`)."""
+    carries the predicted traffic (:func:`~pipetrain.schedule.traffic.traffic_report`)."""
     return chrome_trace(result.events, schedule=result.schedule, measured=False, meta={
         "makespan_s": result.makespan, "bubble_fraction": result.bubble_fraction,
         "time_per_minibatch_s": result.time_per_minibatch,

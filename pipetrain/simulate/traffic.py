@@ -15,8 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plan.traffic import CutBytes, Traffic, predict_traffic, schedule_units, traffic_report
+from ..plan.traffic import predict_traffic, schedule_units
 from ..schedule.action import Schedule
+from ..schedule.traffic import CutBytes, Traffic, traffic_report
 from .costs import StageCosts
 
 __all__ = ["simulated_traffic", "simulated_samples", "traffic_summary"]
@@ -43,6 +44,6 @@ def simulated_samples(schedule: Schedule, costs: StageCosts) -> float | None:
 
 
 def traffic_summary(schedule: Schedule, traffic: dict[int, Traffic], samples: float | None) -> dict[str, Any]:
-    """:func:`~pipetrain.plan.traffic.traffic_report`: ``traffic`` per rank, ``bytes_per_sample``
+    """:func:`~pipetrain.schedule.traffic.traffic_report`: ``traffic`` per rank, ``bytes_per_sample``
     (``None`` without ``samples``) and ``bytes_per_minibatch`` by kind and ``"total"``."""
     return traffic_report(traffic, samples, schedule.steps or None)

@@ -1,0 +1,425 @@
+"""``train --schedule auto``: the planner chooses the schedule, the microbatches and the stages.
+
+PipeDream's planner (paper section 3.1) picks stages and replicas for one schedule. A user who
+leaves the schedule open wants the fastest *configuration* on the machine at hand, which may
+be data parallelism (communication is cheap), a straight pipeline, or a replicated one, under
+an asynchronous schedule (pipedream, 2bw) or a flushed one (flush, zerobubble) at some
+number of microbatches. :func:`choose` predicts each candidate's time per minibatch on
+measured costs and returns the fastest:
+
+1. **Costs.** Communication: a calibration (``--calibration FILE``, or measured now on
+   loopback with the run's number of ranks: point-to-point and gloo all-reduce fits,
+   :mod:`pipetrain.cluster.measure`). Compute: the model profiled here, one profile per
+   unit size (per-node times do not scale linearly with the unit size on a CPU), each
+   scaled to the minibatch (times and activations ``x units``, so the simulator's division
+   by the unit count gives the unit's measured times back). Optimizer steps: each stage's
+   ``torch.optim`` step over its parameters, timed here.
+2. **Candidates.** Every schedule whose spec says ``auto`` (:class:`ScheduleSpec`): the unit
+   ``minibatch`` schedule (pipedream) at 1; one-stage data parallelism (dp) at its default
+   microbatches; the microbatched pipelines at their default ``d`` for a straight pipeline
+   of all ranks, ``2d`` and ``4d`` (those dividing the batch), or only at ``--microbatches``
+   when given.
+3. **Plan and correct.** Each pipeline candidate is planned by the dynamic program with the
+   calibrated costs and that schedule's memory rule; its stages are then timed as a whole
+   (:mod:`pipetrain.auto.stage_timing`), the unit profile corrected and the plan made again
+   once (a stage's time as a whole differs from the sum of its nodes').
+4. **Predict.** The schedule simulated on the plan (:func:`pipetrain.simulate.calibrated.predict_run`:
+   the same simulator and steady-state definition as ``pipetrain simulate`` and the runtime).
+   The fastest prediction wins, except that predictions within :data:`TIE_TOLERANCE` (5%)
+   of the fastest count as a tie, below the simulator's measured error; a tie goes to data
+   parallelism, then a synchronous schedule, then an asynchronous one (stale weights cost
+   statistical efficiency, so a gain the prediction cannot show is not worth them). On the
+   GPT model here dp, 2bw and pipedream are predicted within 3% of each other and measure
+   in a different order from run to run (pipedream's whole-batch units suffer most from the
+   other process on the shared memory bus); dp is chosen.
+
+What the prediction leaves out: the runtime's per-action overhead beyond the profiled
+operators, cache effects between processes sharing cores, and gloo's CPU time competing with
+compute on the same cores; ``docs/planner.md`` reports the measured errors.
+
+The choice is made once, in the launcher (or by rank 0 under an outer torchrun), and handed
+to every worker inside the resolved run, like any plan.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from ..plan.types import Plan
+
+if TYPE_CHECKING:
+    from ..graph.capture import CapturedModel
+    from ..profile.types import Profile
+
+__all__ = ["Candidate", "AutoChoice", "choose", "choose_on_profile", "microbatch_candidates", "scale_profile"]
+
+#: A function giving the captured model and one unit of inputs at ``samples`` samples.
+ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration considered: its schedule, microbatches, plan and predicted time."""
+
+    schedule: str
+    microbatches: int
+    plan: Plan | None
+    predicted_time: float | None          # seconds per minibatch (steady state); None: not runnable
+    why_not: str | None = None            # why it could not be planned or run, when so
+
+    @property
+    def config(self) -> str:
+        return self.plan.config if self.plan is not None else "-"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.schedule, "microbatches": self.microbatches, "config": self.config,
+                "predicted_time_per_minibatch": self.predicted_time, "why_not": self.why_not}
+
+    def line(self) -> str:
+        if self.predicted_time is None:
+            return f"{self.schedule} m={self.microbatches}: not runnable ({self.why_not})"
+        idle = self.plan.extra.get("idle_workers") if self.plan is not None else None
+        return (f"{self.schedule} m={self.microbatches} {self.config}: {self.predicted_time * 1e3:.2f} ms"
+                + (f" ({idle} workers idle)" if idle else ""))
+
+
+@dataclass
+class AutoChoice:
+    """The fastest candidate, every candidate, and the costs used."""
+
+    best: Candidate
+    candidates: list[Candidate]
+    costs: str                            # one line: where the communication costs came from
+    seconds: float = 0.0                  # time spent choosing
+    compute: str = "a profile here"       # where the compute costs came from
+
+    def note(self) -> str:
+        """The run's plan source line."""
+        b = self.best
+        if b.predicted_time is None:
+            return "auto"
+        fastest = min(self.runnable, key=lambda c: c.predicted_time or 0.0)
+        how = (f"fastest of {len(self.runnable)} configurations" if fastest is b else
+               f"within {TIE_TOLERANCE:.0%} of the fastest of {len(self.runnable)} configurations, "
+               f"{fastest.schedule} m={fastest.microbatches} at {(fastest.predicted_time or 0.0) * 1e3:.2f} ms, "
+               f"and simpler: {_SEMANTICS[_semantics(b)]}")
+        return (f"auto: {b.schedule} m={b.microbatches} on {b.config}, predicted {b.predicted_time * 1e3:.2f} ms "
+                f"per minibatch ({how}; on {self.costs} and {self.compute}; chosen in {self.seconds:.1f} s)")
+
+    @property
+    def runnable(self) -> list[Candidate]:
+        return [c for c in self.candidates if c.predicted_time is not None]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schedule": self.best.schedule, "microbatches": self.best.microbatches, "config": self.best.config,
+                "predicted_time_per_minibatch": self.best.predicted_time, "costs": self.costs,
+                "seconds": self.seconds, "candidates": [c.to_json() for c in self.candidates]}
+
+
+def scale_profile(unit: Profile, units: int, batch_size: int) -> Profile:
+    """A minibatch profile of ``units`` units made from a unit profile: node times and
+    activations ``x units`` (the simulator divides by the unit count), parameters unchanged."""
+    from ..profile.types import Profile
+
+    if units == 1:
+        return unit
+    nodes = [replace(n, forward_time=n.forward_time * units, backward_time=n.backward_time * units,
+                     activation_bytes=n.activation_bytes * units) for n in unit.nodes]
+    return Profile(unit.model, batch_size, nodes, unit.device, unit.optimizer,
+                   unit.optimizer_state_bytes_per_parameter_byte)
+
+
+def microbatch_candidates(spec: Any, workers: int, batch: int, given: int | None) -> list[int]:
+    """Microbatch counts tried for ``spec`` (module docstring, 2)."""
+    if spec.unit == "minibatch":
+        return [1] if given in (None, 1) else []
+    if given is not None:
+        return [given] if given <= batch and batch % given == 0 else []
+    reps = [workers] if spec.one_stage else [1] * workers
+    ranks = spec.rank_replicas(reps, {})
+    d = int(spec.default_microbatches(len(ranks), ranks))
+    tries = [d] if spec.one_stage else [d, 2 * d, 4 * d]
+    return [m for m in tries if m <= batch and batch % m == 0]
+
+
+class _StepTimer:
+    """Seconds of one ``torch.optim`` step over the parameters of a stage's nodes (median of 5)."""
+
+    def __init__(self, optimizer: str, momentum: float) -> None:
+        self.optimizer, self.momentum = optimizer, momentum
+        self._cache: dict[tuple[str, ...], float] = {}
+
+    def __call__(self, gm: Any, nodes: Sequence[str]) -> float:
+        import torch
+
+        key = tuple(nodes)
+        if key in self._cache:
+            return self._cache[key]
+        names = set(nodes)
+        shapes = [p.shape for n in gm.graph.nodes if n.name in names and n.op == "call_module"
+                  for p in gm.get_submodule(str(n.target)).parameters(recurse=False)]
+        shapes += [gm.get_parameter(str(n.target)).shape for n in gm.graph.nodes
+                   if n.name in names and n.op == "get_attr" and _is_parameter(gm, str(n.target))]
+        if not shapes:
+            self._cache[key] = 0.0
+            return 0.0
+        ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
+        for p in ps:
+            p.grad = torch.randn(p.shape)
+        if self.optimizer == "sgd":
+            opt: Any = torch.optim.SGD(ps, lr=1e-3, momentum=self.momentum, foreach=True)
+        elif self.optimizer == "adamw":
+            opt = torch.optim.AdamW(ps, lr=1e-3, foreach=True)
+        else:
+            opt = torch.optim.Adam(ps, lr=1e-3, foreach=True)
+        opt.step()
+        runs = []
+        for _ in range(5):
+            t = time.perf_counter()
+            opt.step()
+            runs.append(time.perf_counter() - t)
+        self._cache[key] = statistics.median(runs)
+        return self._cache[key]
+
+
+def _is_parameter(gm: Any, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _same(a: Plan, b: Plan) -> bool:
+    return [list(s.nodes) for s in a.stages] == [list(s.nodes) for s in b.stages] and a.replicas == b.replicas
+
+
+def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str = "sgd", momentum: float = 0.0,
+           threads: int | None = None, model_name: str = "", calibration: Any = None,
+           microbatches: int | None = None, repeats: int = 3,
+           schedules: Sequence[str] | None = None,
+           accept: Callable[[Candidate, Any], str | None] | None = None) -> AutoChoice:
+    """The fastest configuration of the model on ``workers`` ranks (module docstring).
+
+    Args:
+        model_at: ``samples -> (captured model, one unit of inputs)`` at that unit size.
+        calibration: a Calibration, a file, ``"measure"``, or None (measured now on loopback
+            with ``workers`` ranks).
+        microbatches: the user's ``--microbatches``, if given (only that count is tried).
+        schedules: candidate schedule names (default: every spec with ``auto``).
+        accept: ``(candidate, captured model) -> None``, or why the run cannot use it (the
+            caller's rules: step counts, tied weights, synchronous-only options).
+
+    Raises:
+        PlanError: when no candidate can run (one line naming why for each).
+    """
+    from ..errors import PlanError
+    from ..plan.api import PlanOptions
+    from ..plan.calibrated import MEASURE, plan_with_calibration, resolve_calibration
+    from ..plan.cuts import split_by_config
+    from ..profile.profiler import num_threads, profile_captured
+    from ..simulate.calibrated import predict_run
+    from .stage_timing import refine_profile, stage_seconds
+
+    t0 = time.monotonic()
+    if workers < 2:
+        raise PlanError(f"the automatic choice compares parallel configurations; it needs 2 or more workers, "
+                        f"got {workers}")
+    cal = resolve_calibration(calibration)
+    if cal is None:  # measured now, at this run's rank count
+        cal = resolve_calibration(MEASURE, ranks=workers)
+    assert cal is not None
+    costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
+    names = list(schedules) if schedules is not None else _auto_names()
+    steps_of = _StepTimer(optimizer, momentum)
+    units_cache: dict[int, tuple[Any, tuple[Any, ...], Profile]] = {}
+
+    def at(samples: int) -> tuple[Any, tuple[Any, ...], Profile]:
+        if samples not in units_cache:
+            captured, inputs = model_at(samples)
+            prof = profile_captured(captured, inputs, batch_size=samples, warmup=1, repeats=repeats,
+                                    optimizer=optimizer, momentum=momentum, model_name=model_name, threads=threads)
+            units_cache[samples] = (captured, tuple(inputs), prof)
+        return units_cache[samples]
+
+    def evaluate(name: str, spec: Any, m: int) -> Candidate:
+        units = 1 if spec.unit == "minibatch" else m
+        captured, inputs, unit_prof = at(batch_size // units)
+        if spec.one_stage:
+            plan = split_by_config(captured, [workers], model_name, batch_size)
+        else:
+            opts = PlanOptions(schedule=memory_rule_of(name), microbatches=m, use_all_workers=True)
+
+            def plan_fn(p: Profile) -> Plan:
+                return plan_with_calibration(scale_profile(p, units, batch_size), workers, cal, opts)
+
+            plan = plan_fn(unit_prof)
+            lists = [list(s.nodes) for s in plan.stages]
+            if len(lists) > 1:  # stages timed as a whole correct the node sums; plan again once
+                unit_prof = refine_profile(unit_prof, lists, stage_seconds(captured.gm, inputs, lists, 2))
+                again = plan_fn(unit_prof)
+                plan = plan if _same(plan, again) else again
+        why = _runnable(spec, plan, m, workers)
+        if why is None and accept is not None:
+            why = accept(Candidate(name, m, plan, None), captured)
+        if why is not None:
+            return Candidate(name, m, plan, None, why)
+        step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
+        pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
+                           step_time=step_time)
+        return Candidate(name, m, plan, float(pred["time_per_minibatch"]))
+
+    # Every timing here (profiles, stages as a whole, optimizer steps) at the workers' threads.
+    with num_threads(threads):
+        out = _each(names, workers, batch_size, microbatches, evaluate)
+    return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0)
+
+
+def choose_on_profile(profile: Profile, workers: int, calibration: Any, *, microbatches: int | None = None,
+                      schedules: Sequence[str] | None = None, memory_limit: float | None = None,
+                      max_states: int = 2048) -> AutoChoice:
+    """The fastest configuration of a profiled model on ``workers`` ranks (``pipetrain plan``).
+
+    The same candidates, planner and simulator as :func:`choose`, on a given profile
+    (``profile.batch_size`` is the minibatch) instead of one measured here: a unit of
+    ``batch / m`` samples is taken to cost ``1/m`` of the minibatch (one profile cannot say
+    how per-node times change with the unit size; ``train --schedule auto`` profiles each), and
+    optimizer steps are not counted (a profile holds no step times). ``memory_limit`` (bytes
+    per worker) is checked with each schedule's own memory rule.
+
+    Raises:
+        PlanError: no batch size in the profile, fewer than 2 workers, or no candidate runnable.
+    """
+    from ..errors import PlanError
+    from ..plan.api import PlanOptions
+    from ..plan.baselines import data_parallel_plan
+    from ..plan.calibrated import calibrated_params, calibrated_topology, plan_with_calibration, resolve_calibration
+    from ..plan.stage_memory import stage_memory
+    from ..simulate.calibrated import predict_run
+
+    t0 = time.monotonic()
+    if workers < 2:
+        raise PlanError(f"the automatic choice compares parallel configurations; it needs 2 or more workers, "
+                        f"got {workers}")
+    if not profile.batch_size:
+        raise PlanError(f"profile of {profile.model!r} has no batch size; the automatic choice needs the minibatch "
+                        f"size: pass --batch-size")
+    cal = resolve_calibration(calibration)
+    if cal is None:
+        raise PlanError("the automatic choice needs measured link costs: pass --calibration FILE (from "
+                        "`pipetrain calibrate --output FILE`) or --calibration measure")
+    costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
+    names = list(schedules) if schedules is not None else _auto_names()
+    batch = int(profile.batch_size)
+
+    def evaluate(name: str, spec: Any, m: int) -> Candidate:
+        rule = memory_rule_of(name)
+        if spec.one_stage:
+            plan = data_parallel_plan(profile, calibrated_topology(cal, workers), "pipetrain",
+                                      calibrated_params(cal))
+            held = stage_memory(profile, plan, schedule=rule, microbatches=m)
+            if memory_limit is not None and max(held) > memory_limit:
+                return Candidate(name, m, plan, None, f"needs {max(held) / 2**30:.2f} GiB per worker, over the "
+                                                      f"{memory_limit / 2**30:.2f} GiB limit")
+        else:
+            opts = PlanOptions(schedule=rule, microbatches=m, use_all_workers=True, memory_limit=memory_limit,
+                               max_states=max_states)
+            plan = plan_with_calibration(profile, workers, cal, opts)
+        why = _runnable(spec, plan, m, workers, exact=False)  # a plan may leave workers idle (the DP's optimum)
+        if why is not None:
+            return Candidate(name, m, plan, None, why)
+        pred = predict_run(plan, profile, cal, name, microbatches=m)
+        return Candidate(name, m, plan, float(pred["time_per_minibatch"]))
+
+    out = _each(names, workers, batch, microbatches, evaluate)
+    return AutoChoice(_best(out, "pass --schedule instead, or raise --memory"), out, costs, time.monotonic() - t0,
+                      compute=f"the profile of {profile.model or 'the model'} (batch {batch})")
+
+
+def _auto_names() -> list[str]:
+    from ..schedule import SCHEDULES
+
+    return [n for n, s in SCHEDULES.items() if s.auto]
+
+
+def memory_rule_of(name: str) -> str:
+    """The planner's memory rule for schedule ``name``: its own, or (one without, such as
+    zerobubble or dp) the 1F1B rule's schedule."""
+    from ..plan.stage_memory import MEMORY_SCHEDULES
+    from ..schedule import SCHEDULES
+
+    return name if name in MEMORY_SCHEDULES else next(
+        n for n in MEMORY_SCHEDULES if SCHEDULES[n].memory_rule == "one_f_one_b")
+
+
+def _runnable(spec: Any, plan: Plan, m: int, workers: int, exact: bool = True) -> str | None:
+    """Why ``plan`` cannot run ``spec`` at ``m`` on ``workers`` ranks (``exact``: all of them;
+    else at most), or None (building the schedule raises when ``m`` breaks its rules)."""
+    ranks = int(spec.ranks_needed(plan.replicas, {}))
+    if ranks != workers and (exact or ranks > workers):
+        return f"the plan {plan.config} does not use {workers} ranks"
+    spec.build(plan.replicas, m, int(spec.steps_period(plan.replicas)))
+    return None
+
+
+def _each(names: Sequence[str], workers: int, batch: int, microbatches: int | None,
+          evaluate: Callable[[str, Any, int], Candidate]) -> list[Candidate]:
+    """Every candidate (module docstring, 2) evaluated; one that cannot be planned or built is
+    kept with why."""
+    from ..schedule import get_schedule
+
+    out: list[Candidate] = []
+    for name in names:
+        spec = get_schedule(name)
+        for m in microbatch_candidates(spec, workers, batch, microbatches):
+            try:
+                out.append(evaluate(name, spec, m))
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot be planned or built is skipped, said why
+                out.append(Candidate(name, m, None, None, f"{type(e).__name__}: {e}"))
+    return out
+
+
+def _best(out: list[Candidate], fix: str) -> Candidate:
+    from ..errors import PlanError
+
+    runnable = [c for c in out if c.predicted_time is not None]
+    if not runnable:
+        raise PlanError("no configuration could be planned for --schedule auto: "
+                        + "; ".join(c.line() for c in out) + f"; {fix}")
+    return pick(runnable)
+
+
+#: Predictions closer than this to the fastest are a tie (module docstring, 4): the
+#: simulator's error against measured runs is 2-12% here (docs/performance.md), so a smaller
+#: difference says nothing about which runs faster.
+TIE_TOLERANCE = 0.05
+
+
+_SEMANTICS = ("data parallel", "synchronous", "asynchronous")
+
+
+def _semantics(c: Candidate) -> int:
+    """0 data parallelism (one process's result), 1 a synchronous pipeline, 2 an asynchronous one."""
+    from ..schedule import get_schedule
+
+    spec = get_schedule(c.schedule)
+    return 0 if spec.one_stage else 1 if spec.synchronous else 2
+
+
+def pick(runnable: Sequence[Candidate], tolerance: float = TIE_TOLERANCE) -> Candidate:
+    """The choice among runnable candidates: of those predicted within ``tolerance`` of the
+    fastest, the simplest semantics (data parallelism, then a synchronous schedule, then an
+    asynchronous one: stale weights cost statistical efficiency, PipeDream section 3.3 and
+    2BW section 3), and among those the fastest prediction."""
+    fastest = min(c.predicted_time or 0.0 for c in runnable)
+    tied = [c for c in runnable if (c.predicted_time or 0.0) <= fastest * (1.0 + tolerance)]
+    return min(tied, key=lambda c: (_semantics(c), c.predicted_time or 0.0))
+
+
+def summary_lines(choice: AutoChoice) -> list[str]:
+    """Lines for the log: the choice, then every candidate."""
+    return [choice.note()] + [f"  {c.line()}" for c in choice.candidates]
+

@@ -1,0 +1,188 @@
+"""One stage as a worker holds it: module, weight versions, optimizer, gradient accumulation.
+
+The stage module keeps only shapes (meta tensors); its weights live in
+:class:`~pipetrain.runtime.engine.versions.WeightVersions`, bound per call by
+``torch.func.functional_call``. Weight gradients of one group (the units a STEP averages)
+accumulate into:
+
+- fresh autograd tensors, added in place (one replica, unfused);
+- :class:`~pipetrain.runtime.engine.fused.GradSink` buffers, written by the backward of fused
+  ``Linear`` layers (``--fused-grads``);
+- flat all-reduce buffers, one per dtype, for a replicated stage (the last element of each
+  carries the group's unit count, so STEP divides by the total over the replicas).
+
+STEP takes the group's mean (design.md's gradient accounting), optionally clips it, and the
+optimizer makes the next version from the newest (:meth:`StageRuntime.apply`), or the group
+is dropped and the version advances unchanged (:meth:`StageRuntime.drop_group`).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ...job.config import LRSchedule
+from ...stages.partition import StageModule
+from .comm import Comm
+from .fused import GradSink, install
+from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
+from .versions import WeightVersions
+
+__all__ = ["StageRuntime"]
+
+
+class StageRuntime:
+    """Everything a worker keeps for one of its stages: module, versions, optimizer, gradients."""
+
+    def __init__(self, stage: StageModule, optimizer: FunctionalOptimizer, replicas: int,
+                 device: torch.device, fuse_linear: bool = False) -> None:
+        self.stage = stage
+        self.index = stage.index
+        self.replicas = replicas
+        self.optimizer = optimizer
+        mod = stage.module.to(device)
+        named = dict(mod.named_parameters())
+        initial = {n: named[n].detach().requires_grad_(named[n].requires_grad) for n in stage.param_names}
+        self.trainable = [n for n in stage.param_names if named[n].requires_grad]
+        # The module keeps only shapes (meta tensors): the weights live in the versions, so a
+        # dropped version's memory is really freed. functional_call binds a version per call.
+        # Every name of a tensor (a tie inside the stage: emb.weight and head.weight) gets the
+        # same meta parameter, so functional_call binds the version's tensor to all of them.
+        metas: dict[int, torch.nn.Parameter] = {}
+        for n, p in list(mod.named_parameters(remove_duplicate=False)):
+            meta = metas.get(id(p))
+            if meta is None:
+                meta = metas[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
+                                                         requires_grad=p.requires_grad)
+            owner, _, leaf = n.rpartition(".")
+            sub = mod.get_submodule(owner) if owner else mod
+            setattr(sub, leaf, meta)
+        self.versions = WeightVersions(initial)
+        self.lr_total = 1  # horizon of the LR schedule, in this stage's steps
+        self._acc: dict[str, Tensor] = {}
+        self.acc_count = 0
+        # Replicated stages accumulate straight into flat all-reduce buffers (one per dtype;
+        # the last element of each carries the unit count).
+        self.flats: dict[torch.dtype, Tensor] = {}
+        self.views: dict[str, Tensor] = {}
+        # Linear layers write their weight gradients straight into the accumulators
+        # (fused.py); the sink's "touched" set is the group's, shared with the flat views.
+        self.sink = GradSink()
+        self._touched: set[str] = self.sink.touched
+        self.fused: set[str] = set(install(mod, set(self.trainable), self.sink)) if fuse_linear else set()
+        self.pending: list[Any] = []
+        if replicas > 1:
+            by_dtype: dict[torch.dtype, list[str]] = {}
+            for n in self.trainable:
+                by_dtype.setdefault(initial[n].dtype, []).append(n)
+            for dt, names in by_dtype.items():
+                total = sum(initial[n].numel() for n in names)
+                flat = torch.zeros(total + 1, dtype=dt, device=device)
+                off = 0
+                for n in names:
+                    k = initial[n].numel()
+                    self.views[n] = flat[off:off + k].view_as(initial[n])
+                    off += k
+                self.flats[dt] = flat
+        for n in self.fused:
+            self.sink.buffers[n] = self.views[n] if self.views else torch.zeros_like(initial[n])
+
+    # -- gradient accumulation ------------------------------------------------------------
+    def accumulate(self, grads: Sequence[Tensor | None]) -> None:
+        """Add one unit's weight gradients (aligned with :attr:`trainable`) to the group."""
+        self.acc_count += 1
+        fused = self.fused
+        for n, g in zip(self.trainable, grads):
+            if g is None:
+                continue
+            if n in fused:  # the backward already added the Linear's part; add any other part
+                self.sink.add(n, g)
+            elif self.views:
+                v = self.views[n]
+                if n in self._touched:
+                    v.add_(g)
+                else:
+                    v.copy_(g)
+                    self._touched.add(n)
+            else:
+                cur = self._acc.get(n)
+                if cur is None:
+                    self._acc[n] = g  # fresh tensor from autograd: owned, no copy
+                else:
+                    cur.add_(g)
+
+    def start_allreduce(self, comm: Comm) -> None:
+        for n, v in self.views.items():
+            if n not in self._touched:
+                v.zero_()
+        for flat in self.flats.values():
+            flat[-1] = float(self.acc_count)
+            work = comm.allreduce_start(self.index, flat)
+            if work is not None:
+                self.pending.append(work)
+
+    def mean_gradients(self) -> dict[str, Tensor | None]:
+        """Finish the group: wait for the all-reduce, divide by the group's unit count."""
+        for w in self.pending:
+            w.wait()
+        self.pending = []
+        if self.views:
+            count = float(next(iter(self.flats.values()))[-1].item()) if self.flats else float(self.acc_count)
+            if count <= 0:
+                raise RuntimeError(f"stage {self.index}: STEP with no accumulated units")
+            for flat in self.flats.values():
+                if count != 1:
+                    flat[:-1].div_(count)
+            grads: dict[str, Tensor | None] = {n: self.views.get(n) for n in self.trainable}
+        else:
+            count = float(self.acc_count)
+            if count <= 0:
+                raise RuntimeError(f"stage {self.index}: STEP with no accumulated units")
+            grads = {n: ((self.sink.buffers[n] if n in self._touched else None) if n in self.fused
+                         else self._acc.get(n)) for n in self.trainable}
+            if count != 1:
+                for g in grads.values():
+                    if g is not None:
+                        g.div_(count)
+        return grads
+
+    def apply(self, grads: dict[str, Tensor | None], base_lr: float, schedule: LRSchedule,
+              clip: float | None = None, coef: float | None = None, position: int | None = None) -> None:
+        """Optimizer step on the newest version -> a new version; resets the group."""
+        if coef is None and clip is not None:  # per-stage clipping (asynchronous schedules)
+            coef = clip_coefficient(math.sqrt(sum_of_squares(grads.values())), clip)
+        if coef is not None and coef < 1.0:
+            for g in grads.values():
+                if g is not None:
+                    g.mul_(coef)
+        lr = schedule.lr(base_lr, self.optimizer.steps, self.lr_total)
+        # In place when no later action of this segment uses the newest version (flushed
+        # schedules, the last stage of 1F1B): torch.optim's update, one version held. Else
+        # out of place (weight stashing), into the tensors of a dropped version if any.
+        in_place = position is not None and self.versions.unused_after(position)
+        out = self.versions.latest if in_place else self.versions.spare()
+        new = self.optimizer.apply(self.versions.latest, grads, lr, out=out)
+        self.versions.push(new, replace=in_place)
+        self._end_group()
+
+    def drop_group(self, position: int | None) -> None:
+        """End the gradient group without applying it (``--skip-nonfinite``): the weights and
+        optimizer state stay; the version advances with the same tensors (STEP k makes
+        version k+1, as the schedule's actions expect)."""
+        self._end_group()
+        in_place = position is not None and self.versions.unused_after(position)
+        self.versions.push(dict(self.versions.latest), replace=in_place)
+
+    def _end_group(self) -> None:
+        self._acc = {}
+        self._touched.clear()
+        self.acc_count = 0
+
+    # -- what the stage holds ---------------------------------------------------------------
+    def gradient_buffers(self) -> list[Tensor]:
+        """Every tensor gradients accumulate in: the unfused accumulators, the flat all-reduce
+        buffers and the fused layers' sink buffers."""
+        return list(self._acc.values()) + list(self.flats.values()) + list(self.sink.buffers.values())

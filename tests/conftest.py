@@ -1,0 +1,20 @@
+"""Test-suite set-up: the test folders mirror the packages; helper modules live in ``harness/``.
+
+Worker processes import model and data factories from test modules by name
+(``--model test_tied:tied_lm``), so every test folder is on ``sys.path`` here and on
+``PYTHONPATH`` for the processes the tests start.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+TESTS = Path(__file__).resolve().parent
+_FOLDERS = [TESTS / "harness"] + sorted(p for p in TESTS.iterdir()
+                                        if p.is_dir() and p.name not in ("harness", "golden", "__pycache__"))
+for _d in reversed(_FOLDERS):
+    if str(_d) not in sys.path:
+        sys.path.insert(0, str(_d))
+os.environ["PYTHONPATH"] = os.pathsep.join([str(d) for d in _FOLDERS]
+                                           + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
