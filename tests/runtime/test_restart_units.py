@@ -35,7 +35,7 @@ def test_killed_rank_names_the_signal_death_not_the_agents_sigterm() -> None:
 
 def test_a_broken_receive_names_the_action_and_the_peer() -> None:
     recv = Action(1, Op.RECV_F, 3, peer=0)
-    executor = SimpleNamespace(_pos=0)
+    executor = SimpleNamespace(position=0)
     assert waiting_for(executor, [recv])[1] == 0
     lost = r"rank 1 lost rank 0 while waiting for 1RECV_F3<0 from rank 0: RuntimeError: .*Connection closed by peer"
     with pytest.raises(PeerLost, match=lost) as e, naming_peer(1, executor, [recv]):
