@@ -272,12 +272,11 @@ def measure(long_limit: int = LONG_FUNCTION) -> Report:
     for mod, imps in imports.items():
         mine = layer_of(mod)
         for target, line, _ in imps:
-            if target == mod or mod.startswith(target + ".") and is_package(files[target]):
-                # a module importing its own package's __init__ names is an import of a parent
-                if target != mod and files[mod].name != "__init__.py" and mod.startswith(target + "."):
-                    graph[mod].add(target)
+            if target == mod:
                 continue
             graph[mod].add(target)
+            if mod.startswith(target + "."):  # its own ancestor package: above it by nesting, not by layer
+                continue
             theirs = layer_of(target)
             if mine is None or theirs is None:
                 continue
