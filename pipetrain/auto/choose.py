@@ -13,7 +13,9 @@ measured costs and returns the fastest:
    unit size (per-node times do not scale linearly with the unit size on a CPU), each
    scaled to the minibatch (times and activations ``x units``, so the simulator's division
    by the unit count gives the unit's measured times back). Optimizer steps: each stage's
-   ``torch.optim`` step over its parameters, timed here.
+   ``torch.optim`` step over its parameters, timed here. Every measurement goes through the
+   measurement cache when the caller gives one (:mod:`pipetrain.auto.measured`), so a run
+   repeated on the same machine measures nothing again.
 2. **Candidates.** Every schedule whose spec says ``auto`` (:class:`ScheduleSpec`): the unit
    ``minibatch`` schedule (pipedream) at 1; one-stage data parallelism (dp) at its default
    microbatches; the microbatched pipelines at their default ``d`` for a straight pipeline
@@ -44,14 +46,17 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..plan.types import Plan
+from .measured import AutoMeasurements
 
 if TYPE_CHECKING:
+    from ..cluster.calibration import Calibration
     from ..graph.capture import CapturedModel
+    from ..profile.cache import MeasurementCache
     from ..profile.types import Profile
 
 __all__ = ["Candidate", "AutoChoice", "choose", "choose_on_profile", "microbatch_candidates", "scale_profile"]
@@ -148,13 +153,11 @@ def microbatch_candidates(spec: Any, workers: int, batch: int, given: int | None
 class _StepTimer:
     """Seconds of one ``torch.optim`` step over the parameters of a stage's nodes (median of 5)."""
 
-    def __init__(self, optimizer: str, momentum: float) -> None:
-        self.optimizer, self.momentum = optimizer, momentum
+    def __init__(self, optimizer: str, momentum: float, measured: AutoMeasurements) -> None:
+        self.optimizer, self.momentum, self.measured = optimizer, momentum, measured
         self._cache: dict[tuple[str, ...], float] = {}
 
     def __call__(self, gm: Any, nodes: Sequence[str]) -> float:
-        import torch
-
         key = tuple(nodes)
         if key in self._cache:
             return self._cache[key]
@@ -163,9 +166,12 @@ class _StepTimer:
                   for p in gm.get_submodule(str(n.target)).parameters(recurse=False)]
         shapes += [gm.get_parameter(str(n.target)).shape for n in gm.graph.nodes
                    if n.name in names and n.op == "get_attr" and _is_parameter(gm, str(n.target))]
-        if not shapes:
-            self._cache[key] = 0.0
-            return 0.0
+        self._cache[key] = self.measured.step_seconds(shapes, lambda: self._time(shapes)) if shapes else 0.0
+        return self._cache[key]
+
+    def _time(self, shapes: Sequence[Any]) -> float:
+        import torch
+
         ps = [torch.nn.Parameter(torch.randn(s)) for s in shapes]
         for p in ps:
             p.grad = torch.randn(p.shape)
@@ -181,8 +187,7 @@ class _StepTimer:
             t = time.perf_counter()
             opt.step()
             runs.append(time.perf_counter() - t)
-        self._cache[key] = statistics.median(runs)
-        return self._cache[key]
+        return float(statistics.median(runs))
 
 
 def _is_parameter(gm: Any, target: str) -> bool:
@@ -201,7 +206,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
            threads: int | None = None, model_name: str = "", calibration: Any = None,
            microbatches: int | None = None, repeats: int = 3,
            schedules: Sequence[str] | None = None,
-           accept: Callable[[Candidate, Any], str | None] | None = None) -> AutoChoice:
+           accept: Callable[[Candidate, Any], str | None] | None = None,
+           cache: MeasurementCache | None = None, cache_key: Mapping[str, Any] | None = None) -> AutoChoice:
     """The fastest configuration of the model on ``workers`` ranks (module docstring).
 
     Args:
@@ -212,15 +218,19 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         schedules: candidate schedule names (default: every spec with ``auto``).
         accept: ``(candidate, captured model) -> None``, or why the run cannot use it (the
             caller's rules: step counts, tied weights, synchronous-only options).
+        cache: where measurements are kept between runs (:mod:`pipetrain.auto.measured`);
+            None: measure everything.
+        cache_key: what identifies the model for the cache (its name and options); None:
+            only the calibration is cached.
 
     Raises:
         PlanError: when no candidate can run (one line naming why for each).
     """
     from ..errors import PlanError
     from ..plan.api import PlanOptions
-    from ..plan.calibrated import MEASURE, plan_with_calibration, resolve_calibration
+    from ..plan.calibrated import plan_with_calibration, resolve_calibration
     from ..plan.cuts import split_by_config
-    from ..profile.profiler import num_threads, profile_captured
+    from ..profile import profiler
     from ..simulate.calibrated import predict_run
     from .stage_timing import refine_profile, stage_seconds
 
@@ -228,26 +238,28 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     if workers < 2:
         raise PlanError(f"the automatic choice compares parallel configurations; it needs 2 or more workers, "
                         f"got {workers}")
+    measured = AutoMeasurements(cache, cache_key, _measure_settings(optimizer, momentum, threads, repeats))
     cal = resolve_calibration(calibration)
-    if cal is None:  # measured now, at this run's rank count
-        cal = resolve_calibration(MEASURE, ranks=workers)
-    assert cal is not None
+    if cal is None:  # measured now (or earlier on this machine), at this run's rank count
+        cal = measured.calibration(workers, lambda: _measure_calibration(workers))
     costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
     names = list(schedules) if schedules is not None else _auto_names()
-    steps_of = _StepTimer(optimizer, momentum)
-    units_cache: dict[int, tuple[Any, tuple[Any, ...], Profile]] = {}
+    steps_of = _StepTimer(optimizer, momentum, measured)
+    units_cache: dict[int, tuple[Any, tuple[Any, ...], Profile, dict[str, Any] | None]] = {}
 
-    def at(samples: int) -> tuple[Any, tuple[Any, ...], Profile]:
+    def at(samples: int) -> tuple[Any, tuple[Any, ...], Profile, dict[str, Any] | None]:
         if samples not in units_cache:
             captured, inputs = model_at(samples)
-            prof = profile_captured(captured, inputs, batch_size=samples, warmup=1, repeats=repeats,
-                                    optimizer=optimizer, momentum=momentum, model_name=model_name, threads=threads)
-            units_cache[samples] = (captured, tuple(inputs), prof)
+            key = measured.profile_key(captured, samples)
+            prof = measured.profile(key, lambda: profiler.profile_captured(
+                captured, inputs, batch_size=samples, warmup=1, repeats=repeats, optimizer=optimizer,
+                momentum=momentum, model_name=model_name, threads=threads, progress=True))
+            units_cache[samples] = (captured, tuple(inputs), prof, key)
         return units_cache[samples]
 
     def evaluate(name: str, spec: Any, m: int) -> Candidate:
         units = 1 if spec.unit == "minibatch" else m
-        captured, inputs, unit_prof = at(batch_size // units)
+        captured, inputs, unit_prof, key = at(batch_size // units)
         if spec.one_stage:
             plan = split_by_config(captured, [workers], model_name, batch_size)
         else:
@@ -259,7 +271,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             plan = plan_fn(unit_prof)
             lists = [list(s.nodes) for s in plan.stages]
             if len(lists) > 1:  # stages timed as a whole correct the node sums; plan again once
-                unit_prof = refine_profile(unit_prof, lists, stage_seconds(captured.gm, inputs, lists, 2))
+                seconds = measured.stage_seconds(key, lists, lambda: stage_seconds(captured.gm, inputs, lists, 2))
+                unit_prof = refine_profile(unit_prof, lists, seconds)
                 again = plan_fn(unit_prof)
                 plan = plan if _same(plan, again) else again
         why = _runnable(spec, plan, m, workers)
@@ -273,9 +286,28 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         return Candidate(name, m, plan, float(pred["time_per_minibatch"]))
 
     # Every timing here (profiles, stages as a whole, optimizer steps) at the workers' threads.
-    with num_threads(threads):
+    with profiler.num_threads(threads):
         out = _each(names, workers, batch_size, microbatches, evaluate)
     return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0)
+
+
+def _measure_settings(optimizer: str, momentum: float, threads: int | None, repeats: int) -> dict[str, Any]:
+    """What the choice's measurements depend on besides the model (the cache's key)."""
+    import torch
+
+    from ..profile.profiler import fast_counts
+
+    return {"optimizer": optimizer, "momentum": momentum, "repeats": fast_counts(1, repeats),
+            "threads": threads if threads is not None else torch.get_num_threads(), "device": "cpu"}
+
+
+def _measure_calibration(workers: int) -> Calibration:
+    """A loopback calibration measured now at ``workers`` ranks."""
+    from ..plan.calibrated import MEASURE, resolve_calibration
+
+    cal = resolve_calibration(MEASURE, ranks=workers)
+    assert cal is not None
+    return cal
 
 
 def choose_on_profile(profile: Profile, workers: int, calibration: Any, *, microbatches: int | None = None,

@@ -11,6 +11,7 @@ import importlib
 import os
 import pkgutil
 import sys
+from typing import Any
 
 from ..errors import PipetrainError
 from ..runtime.launch import reopen_closed_std_fds
@@ -28,12 +29,24 @@ def subcommands() -> list[str]:
 SUBCOMMANDS = subcommands()
 
 
+class SubcommandParser(argparse.ArgumentParser):
+    """A subcommand's parser: an argument it does not know is its own error, printed with its
+    usage (``usage: pipetrain plan ...``) and one ``error:`` line. argparse otherwise hands a
+    subparser's leftovers to the top-level parser, whose error shows the top-level usage."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> tuple[Any, list[str]]:
+        parsed, extras = super().parse_known_args(args, namespace)
+        if extras:
+            self.error(f"unrecognized arguments: {' '.join(extras)}")
+        return parsed, extras
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pipetrain",
         description="Pipeline-parallel training: profile a model, plan its stages, simulate and run schedules.",
     )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubcommandParser)
     for name in SUBCOMMANDS:
         importlib.import_module(f"{__name__}.{name}_cmd").register(sub)
     return parser
@@ -65,7 +78,7 @@ def cluster_main(argv: list[str]) -> int:
     from . import calibrate_cmd, cluster_cmd
 
     parser = argparse.ArgumentParser(prog="python -m pipetrain.cluster")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=SubcommandParser)
     cluster_cmd.register(sub)
     calibrate_cmd.register(sub)
     if argv and argv[0] not in ("cluster", "calibrate", "-h", "--help"):

@@ -1,14 +1,18 @@
 """``pipetrain compare``: train one model on one data set with several schedules, compare them.
 
     pipetrain compare --model mlp --data digits --workers 2 --schedules dp,pipedream,2bw,flush,gpipe \\
-        --no-stashing --target-accuracy 0.9 --epochs 10 --plot docs/img/compare_digits
+        --no-stashing --target-accuracy 0.9 --plot docs/img/compare_digits
     pipetrain compare --model gpt --data shakespeare --workers 2 --schedules dp,pipedream,flush \\
         --target-loss 2.0 --epochs 2 --json
 
 Every configuration trains one after the other with the same seed, data, batch size and
-optimizer (:func:`pipetrain.run.compare.compare`); the table (:func:`pipetrain.metrics.format_table`)
-gives time and epochs to the target, the last evaluation, samples/s and the bytes all workers
-sent per sample. ``--no-stashing`` adds PipeDream without weight stashing as its own row;
+optimizer (:func:`pipetrain.run.compare.compare`); with a target and neither ``--steps`` nor
+``--epochs`` each trains until the target, at most ``--max-epochs`` (default 50), and a row
+that the limit ended gets one line saying so. Real data is evaluated 10 times an epoch unless
+``--eval-every`` / ``--evals-per-epoch`` says. The table (:func:`pipetrain.metrics.format_table`)
+gives time (training only) and epochs (fractional) to the target, the last evaluation,
+samples/s, the evaluations and the wall time apart, and the bytes all workers sent per
+sample. ``--no-stashing`` adds PipeDream without weight stashing as its own row;
 ``--plot DIR`` writes the accuracy (perplexity for language models) curves against time and
 epochs; ``--json`` prints one JSON object ``{"rows": [...]}``. Every ``train`` option is
 accepted and passed to every configuration, except the schedule (given by ``--schedules``)
@@ -41,8 +45,11 @@ def register(subparsers: Any) -> None:
         help="train with several schedules and compare time to a target accuracy",
         description="Train the same model on the same data with several schedules, one after the other (same "
                     "seed, data and optimizer), and print a table of time and epochs to the target accuracy "
-                    "(or loss), final accuracy, samples/s and bytes sent per sample by all workers. Takes every "
-                    "`pipetrain train` option except --schedule.",
+                    "(or loss), final accuracy, samples/s, the evaluations and wall time apart, and bytes sent "
+                    "per sample by all workers. With a target and neither --steps nor --epochs, each schedule "
+                    "trains until the target, at most --max-epochs (default 50); real data is evaluated 10 "
+                    "times an epoch unless --eval-every / --evals-per-epoch says. Takes every `pipetrain train` "
+                    "option except --schedule.",
     )
     p.add_argument("--schedules", default=DEFAULT_SCHEDULES, metavar="NAME[,NAME...]",
                    help=f"the schedules to compare, in row order (default: {DEFAULT_SCHEDULES})")
@@ -118,13 +125,18 @@ def run(args: argparse.Namespace, train: TrainFunction | None = None) -> int:
         plots = [str(p) for p in write_plots(result.rows, plot, target_accuracy=ev.target_accuracy,
                                              target_loss=ev.target_loss,
                                              title=None)]
+    notices = [n for n in (r.limit_notice(ev.target_accuracy, ev.target_loss) for r in result.rows) if n]
     if as_json:
+        for n in notices:  # stdout carries the JSON alone
+            print(n, file=sys.stderr, flush=True)
         print(json.dumps(result.to_json(target_accuracy=ev.target_accuracy, target_loss=ev.target_loss,
                                         model=base.model.name, data=base.data.data,
                                         workers=base.parallel.workers, plots=plots), default=str))
     else:
         if result.rows:
             print(format_table(result.rows, target))
+        for n in notices:
+            print(n)
         for f in result.failures:
             print(f"{f.label}: not run: {f.message}")
         for p in plots:

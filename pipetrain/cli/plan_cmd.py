@@ -4,12 +4,12 @@ Examples::
 
     pipetrain plan tests/data/profiles/vgg16.txt --workers 16 --bandwidth 10Gbit --cost-model pipedream
     pipetrain plan model.json --workers 4,4 --bandwidth 300e9,1.25e9 --compare
-    pipetrain plan model.json --workers 8 --memory 16GB --json --output plan.json
+    pipetrain plan model.json --workers 8 --memory 16GB --json --output plan.json   # or -o plan.json
     pipetrain plan model.json --workers 2 --calibration cal.json     # measured costs: schedule chosen too
     pipetrain plan model.json --workers 2 --calibration cal.json --schedule pipedream   # PipeDream's plan only
 
 The plan is printed (a table, or one JSON object with ``--json``); it is written to a file
-only when ``--output`` is given.
+only when ``--output`` (``-o``) is given.
 
 With measured link costs (``--calibration``) and no ``--schedule``, ``--microbatches``,
 ``--straight`` or ``--stages``, the planner also chooses the schedule and the microbatches
@@ -72,7 +72,8 @@ def register(subparsers: Any) -> None:
     p.add_argument("--compare", action="store_true",
                    help="also evaluate the baselines (data parallel, uniform, by parameters, by time)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    p.add_argument("--output", default=None, metavar="PLAN.json", help="save the plan here (not saved unless given)")
+    p.add_argument("--output", "-o", default=None, metavar="PLAN.json",
+                   help="save the plan here (not saved unless given), as `profile -o` saves a profile")
     p.set_defaults(func=run)
 
 

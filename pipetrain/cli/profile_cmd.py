@@ -1,13 +1,24 @@
 """``pipetrain profile``: measure a model's per-layer costs, or print a saved profile.
 
     pipetrain profile --model resnet50 --batch-size 32 [--device cuda] [--output r50.json]
-                      [--option layers=3,4,6,3] [--repeats 5] [--warmup 2] [--optimizer sgd]
+                      [--option layers=3,4,6,3] [--repeats 5] [--warmup 2] [--optimizer sgd] [--no-cache]
     pipetrain profile r50.json          # or a PipeDream .txt profile: print its table
+
+A measured profile ends with its step check (the profile's forward + backward against the
+whole model's, measured in the same run, :mod:`pipetrain.profile.step_check`; a model whose
+activations exceed ``--check-memory`` is checked on the tail of its graph that fits) and a
+one-line warning when they disagree by more than 15%. Profiles are kept in the measurement cache
+(:mod:`pipetrain.profile.cache`: ``$PIPETRAIN_CACHE`` or ``~/.cache/pipetrain``) and reused
+for the same model, options, batch, device, threads, optimizer and repeats on the same
+machine; ``--no-cache`` measures again. Long profiles show progress on stderr. The
+allocator is tuned as in the workers (:func:`pipetrain.runtime.process.rss.tune_malloc`),
+so large tensors reuse their pages instead of faulting them in again every step.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +89,20 @@ def register(subparsers: Any) -> None:
                    help="sets the optimizer state size per parameter byte (default sgd)")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD momentum (0: no state; default 0.9)")
     p.add_argument("--threads", type=int, default=None, help="torch threads while profiling (default: unchanged)")
+    p.add_argument("--check-memory", type=float, default=1.0, metavar="GIB",
+                   help="activations the final whole-model check may hold, GiB (default 1; a larger model is "
+                        "checked on the tail of its graph that fits)")
+    p.add_argument("--no-cache", dest="cache", action="store_false",
+                   help="measure again instead of reusing a profile of the same model, options and settings from "
+                        "the measurement cache ($PIPETRAIN_CACHE or ~/.cache/pipetrain), and leave the cache alone")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Profile ``--model`` or print ``PROFILE``; returns the exit code."""
-    from ..profile import format_profile_table, load_profile, profile_model, save_profile
+    from ..profile import format_profile_table, load_profile, save_profile
+    from ..profile.cache import cache_dir
+    from ..profile.step_check import step_check
 
     if args.path and args.model:
         raise PipetrainError(
@@ -104,19 +123,54 @@ def run(args: argparse.Namespace) -> int:
                              ("--warmup", args.warmup, 0), ("--threads", args.threads, 1)):
         if value is not None and value < low:
             raise PipetrainError(f"{flag} must be an integer >= {low}, got {value}; pass e.g. {flag} {max(low, 2)}")
+    if not args.check_memory > 0:
+        raise PipetrainError(f"--check-memory must be > 0 GiB, got {args.check_memory:g}; pass e.g. --check-memory 1")
     resolve_device(args.device)  # fail before building the model
     optimizer_state_factor(args.optimizer, args.momentum)
     if args.output:
         check_writable(args.output)  # fail before a long profiling run, not after
     options = dict(parse_option(o) for o in args.option)
     bundle = load_model(args.model, batch_size=args.batch_size, **options)
-    profile = profile_model(
-        bundle, batch_size=args.batch_size or bundle.batch_size, device=args.device,
-        warmup=args.warmup, repeats=args.repeats, optimizer=args.optimizer,
-        momentum=args.momentum, model_name=args.model, threads=args.threads,
-    )
+    profile, hit = _measured(args, bundle, options)
     print(format_profile_table(profile))
+    check = step_check(profile)
+    if check is not None:
+        print(check.line())
+        warning = check.warning()
+        if warning is not None:
+            print(warning, file=sys.stderr)
+    if hit:
+        print(f"profile from the measurement cache ({cache_dir()}); pass --no-cache to measure again")
     if args.output:
         save_profile(profile, args.output)
         print(f"wrote {args.output}")
     return 0
+
+
+def _measured(args: argparse.Namespace, bundle: Any, options: dict[str, Any]) -> tuple[Any, bool]:
+    """The profile of ``bundle`` (from the measurement cache when it holds one), and whether it did."""
+    from ..profile import profile_model
+    from ..profile.cache import MeasurementCache, cached_profile, model_dtype, model_fingerprint
+    from ..profile.profiler import fast_counts
+    from ..runtime.process.log import setup_logging
+    from ..runtime.process.rss import tune_malloc
+
+    setup_logging(to_stderr=True)  # progress lines of a long profile, off the table's stdout
+    tune_malloc()  # the allocator the workers run with (their pages reused, not faulted in every step)
+    batch = args.batch_size or bundle.batch_size
+    threads = args.threads if args.threads is not None else torch_threads()
+    key = {"model": args.model, "structure": model_fingerprint(bundle.model, bundle.example_inputs),
+           "options": options, "batch_size": batch, "device": args.device,
+           "dtype": model_dtype(bundle.model), "threads": threads, "optimizer": args.optimizer,
+           "momentum": args.momentum, "counts": fast_counts(args.warmup, args.repeats),
+           "check_memory": args.check_memory}
+    return cached_profile(MeasurementCache(enabled=args.cache), key, lambda: profile_model(
+        bundle, batch_size=batch, device=args.device, warmup=args.warmup, repeats=args.repeats,
+        optimizer=args.optimizer, momentum=args.momentum, model_name=args.model, threads=args.threads,
+        progress=True, check_memory=args.check_memory * 2**30), device=args.device)
+
+
+def torch_threads() -> int:
+    import torch
+
+    return int(torch.get_num_threads())

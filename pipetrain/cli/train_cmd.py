@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import traceback
 from typing import Any
 
 from ..errors import PipetrainError
@@ -104,6 +105,39 @@ def _schedule_open(values: dict[str, Any]) -> bool:
             and not under_torchrun())
 
 
+def _failed(e: BaseException, debug: bool) -> int:
+    """Report the failure ``e`` of ``train`` in one line on stderr (after its traceback with
+    ``debug``); its exit code (see :func:`run`). A SystemExit passes on."""
+    from ..run.launcher import under_torchrun
+    from ..runtime.process.failures import WorkerFailure
+    from ..runtime.process.signals import RunInterrupted
+
+    if isinstance(e, SystemExit):
+        raise e
+    if debug and not isinstance(e, (WorkerFailure, KeyboardInterrupt)):  # a worker printed its own
+        traceback.print_exception(e)
+    if isinstance(e, RunInterrupted):
+        print(f"interrupted: {e.message}", file=sys.stderr)
+        return e.exit_code
+    if isinstance(e, KeyboardInterrupt):
+        print("interrupted", file=sys.stderr)
+        return 130
+    if isinstance(e, WorkerFailure):
+        # A user error in a worker reads as if this process had found it; a crash names the rank.
+        print(f"error: {e.message if e.user_error else e}", file=sys.stderr)
+        return 2 if e.user_error else 1
+    if isinstance(e, PipetrainError):
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if under_torchrun():  # this worker's own failure: its rank names it
+        print(f"error: rank {os.environ.get('RANK')}: {e}", file=sys.stderr)
+        return 1
+    text = str(e).strip()
+    first = f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__
+    print(f"error: {first}{'' if debug else ' (--debug prints the traceback)'}", file=sys.stderr)
+    return 1
+
+
 def register(subparsers: Any) -> None:
     from ..schedule import SCHEDULE_NAMES
 
@@ -119,25 +153,18 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..run.launcher import train, under_torchrun
-    from ..runtime.process.failures import WorkerFailure
+    """Train; the exit code: 0, 2 for a user error (bad input, or the model's own code raised),
+    1 for any other failure, ``128 + signal`` when stopped by Ctrl-C or SIGTERM. Every failure
+    is one line on stderr; ``--debug`` (or ``PIPETRAIN_DEBUG=1``) prints its traceback too."""
+    from ..run.launcher import train
 
     cfg = config_from_args(args, open_schedule=True)
     if not cfg.output.quiet:
         setup_logging(cfg.output.progress_to_stderr)
     try:
         result = train(cfg)
-    except WorkerFailure as e:
-        # A user error in a worker reads as if this process had found it; a crash names the rank.
-        print(f"error: {e.message if e.user_error else e}", file=sys.stderr)
-        return 2 if e.user_error else 1
-    except PipetrainError:
-        raise
-    except Exception as e:  # noqa: BLE001 - a worker under torchrun: one line, not a traceback
-        if not under_torchrun() or os.environ.get("PIPETRAIN_DEBUG"):
-            raise
-        print(f"error: rank {os.environ.get('RANK')}: {e}", file=sys.stderr)
-        return 1
+    except BaseException as e:  # noqa: BLE001 - one line and an exit code for every failure
+        return _failed(e, cfg.debug.show_traceback or bool(os.environ.get("PIPETRAIN_DEBUG")))
     if result is None:  # not rank 0 under torchrun
         return 0
     out = result.to_json()

@@ -28,6 +28,7 @@ from torch import nn
 
 from ..errors import DataError, PipetrainError
 from ..models.bundle import ModelBundle
+from ..models.materialize import is_weightless, meta_limit, on_device_of
 from ..models.output import output_logits
 from .loader import gather
 from .loss import loss_for_bundle
@@ -133,12 +134,14 @@ def check_fits(bundle: ModelBundle, source: DataSource, probe: bool = True) -> N
     training = model.training
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            output = model(*inputs)
+            output = model(*on_device_of(model, inputs))  # a weightless model runs for shapes on meta
             logits = output_logits(output)
-            loss_for_bundle(bundle, source)(output, target)
+            loss_for_bundle(bundle, source)(output, on_device_of(model, target))
     except PipetrainError:
         raise
     except Exception as exc:
+        if is_weightless(model) and meta_limit(exc):
+            return  # the forward needs values: the workers run it on their stages' own
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise DataError(
             f"model {bundle.name!r} fails on samples of data {source.name!r} (inputs {data_desc}, target "

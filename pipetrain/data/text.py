@@ -104,8 +104,11 @@ def load_text_file(path: str, seq_len: int | None = None) -> DataSource:
     """``text:PATH``: a UTF-8 text file, char-level.
 
     Raises:
-        DataError: the file does not exist, is not UTF-8, or is too short.
+        DataError: the path is a directory, the file does not exist, is not UTF-8, or is too short.
     """
+    if os.path.isdir(path):
+        raise DataError(f"text file {path!r} is a directory; pass --data text:PATH with a UTF-8 file (e.g. one file "
+                        f"of {path}), not a folder")
     if not os.path.isfile(path):
         raise DataError(f"text file {path!r} does not exist; pass --data text:PATH with an existing UTF-8 file")
     try:
@@ -114,6 +117,9 @@ def load_text_file(path: str, seq_len: int | None = None) -> DataSource:
     except UnicodeDecodeError as exc:
         raise DataError(f"text file {path!r} is not UTF-8 ({exc.reason} at byte {exc.start}); convert it, "
                         f"e.g. `iconv -t utf-8`") from None
+    except OSError as exc:
+        raise DataError(f"text file {path!r} cannot be read ({exc.strerror or type(exc).__name__}); pass --data "
+                        f"text:PATH with a UTF-8 file this user may read") from None
     return load_text(f"text:{path}", text, seq_len, origin=path)
 
 

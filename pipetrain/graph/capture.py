@@ -13,6 +13,16 @@ Then a shape-propagation pass runs the GraphModule on the example inputs and rec
 node's output :class:`TensorMeta` (tuples, lists and dicts of tensors are flattened;
 non-tensor outputs such as sizes record no bytes).
 
+A tracer's graph is accepted only if it gives the model's output (same seed) and leaves the
+model's buffers as the model's own forward does. ``torch.fx`` runs an update of a buffer
+made under ``torch.no_grad()`` (``self.count += 1``, ``self.mean = ...``) on the real
+buffer while tracing and keeps its result as a constant; such a trace is rejected (the
+buffers are restored, bindings included) and ``torch.export`` records the update instead
+(in place, or as a ``copy_`` write-back at the graph's end). :func:`buffer_updates` lists the
+buffers a graph writes; :mod:`pipetrain.stages.partition` keeps each on one stage. Hugging
+Face models are captured with ``use_cache`` off on every config they hold (GPT-2's, and an
+encoder-decoder's decoder stack's own copy), so no cache object is part of the output.
+
 Correspondence between the two views (the runtime relies on it):
 
 * every LayerGraph node name is the name of a node of ``CapturedModel.gm`` (placeholders,
@@ -48,7 +58,7 @@ from .types import LayerGraph, LayerNode, TensorMeta
 
 __all__ = [
     "CapturedModel", "SharedParameter", "capture", "model_parameter_bytes", "tensor_metas",
-    "node_op_name", "is_inplace_node",
+    "node_op_name", "is_inplace_node", "inplace_writers", "buffer_updates", "BufferUpdate",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -65,6 +75,14 @@ _INPLACE_OPERATORS = {
     operator.iadd, operator.iand, operator.ifloordiv, operator.ilshift, operator.imod,
     operator.imul, operator.imatmul, operator.ior, operator.ipow, operator.irshift,
     operator.isub, operator.itruediv, operator.ixor, operator.setitem,
+}
+# Ops whose result may alias their first argument: an in-place op on such a result mutates
+# the argument too (how writes to a received tensor or a buffer are found).
+_VIEW_OPS = {
+    "view", "view_as", "reshape", "flatten", "unflatten", "transpose", "permute", "unsqueeze",
+    "squeeze", "expand", "expand_as", "narrow", "select", "t", "getitem", "chunk", "split",
+    "unbind", "as_strided", "slice", "alias", "movedim", "swapaxes", "diagonal", "contiguous",
+    "detach", "view_as_real", "view_as_complex", "_unsafe_view", "split_with_sizes",
 }
 # Loggers that print diagnostics while a tracer fails; we report the failure ourselves.
 _NOISY_LOGGERS = (
@@ -200,30 +218,63 @@ def _user_location(exc: BaseException) -> str | None:
     return f"{where}: `{code}`" if code else where
 
 
-def _describe_failure(exc: BaseException) -> str:
+def _failing_module(exc: BaseException, model: nn.Module) -> str | None:
+    """``decoder.block.0 (T5Block)``: the innermost submodule of ``model`` whose method was
+    running when ``exc`` was raised (``None``: only the model's own forward, or none)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    found = None
+    tb = exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        name = names.get(id(owner)) if owner is not None else None
+        if name:
+            found = f"{name} ({type(owner).__name__})"
+        tb = tb.tb_next
+    return found
+
+
+def _describe_failure(exc: BaseException, model: nn.Module) -> str:
+    """The exception's own first line, the user code line and the submodule it came from."""
+    parts = [_first_line(exc)]
     loc = _user_location(exc)
-    return f"{_first_line(exc)} (at {loc})" if loc else _first_line(exc)
+    if loc:
+        parts.append(f"at {loc}")
+    module = _failing_module(exc, model)
+    if module:
+        parts.append(f"in module {module}")
+    return f"{parts[0]} ({', '.join(parts[1:])})" if len(parts) > 1 else parts[0]
+
+
+def _cached_configs(model: nn.Module) -> list[Any]:
+    """The distinct ``config`` objects of ``model`` and its submodules with ``use_cache=True``."""
+    found: dict[int, Any] = {}
+    for m in model.modules():
+        config = getattr(m, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
 
 
 @contextlib.contextmanager
 def _no_kv_cache(model: nn.Module) -> Iterator[None]:
     """Capture a Hugging Face model without its key/value cache.
 
-    A stock ``transformers`` model (``config.use_cache=True``, the default) returns a
-    ``DynamicCache`` beside the logits: a generation aid that training never reads, which
-    ``torch.export`` cannot flatten and which would otherwise cross every pipeline cut. Its
-    ``config.use_cache`` is off while capturing (and restored afterwards), so the graph's
-    output is the ``ModelOutput`` with the logits only.
+    A stock ``transformers`` model (``config.use_cache=True``, the default) returns a cache
+    (``DynamicCache``; ``EncoderDecoderCache`` for T5 and BART) beside the logits: a
+    generation aid that training never reads, which ``torch.export`` cannot flatten and
+    which would otherwise cross every pipeline cut. ``use_cache`` is off while capturing
+    (and restored afterwards) on every config the model holds: an encoder-decoder model's
+    decoder stack keeps its own copy of the config, which its forward reads. The graph's
+    output is then the ``ModelOutput`` without the cache.
     """
-    config = getattr(model, "config", None)
-    cached = getattr(config, "use_cache", None) is True
-    if cached:
-        config.use_cache = False  # type: ignore[union-attr]
+    configs = _cached_configs(model)
+    for config in configs:
+        config.use_cache = False
     try:
         yield
     finally:
-        if cached:
-            config.use_cache = True  # type: ignore[union-attr]
+        for config in configs:
+            config.use_cache = True
 
 
 @contextlib.contextmanager
@@ -242,16 +293,50 @@ def _quiet_tracing() -> Iterator[None]:
             logging.getLogger(name).setLevel(level)
 
 
+# A tensor's in-place write counter (torch's ``Tensor._version``): it moves with every in-place
+# op, on the ``meta`` device too, where there are no values to compare.
+_write_count = operator.attrgetter("_version")
+
+
 class BufferSnapshot:
-    """A copy of a model's buffers, to undo batch-norm statistic updates of extra passes."""
+    """A model's buffers as they are now: which tensor each name is bound to, and its value.
+
+    Passes that run the model for measurement (shape propagation, profiling, a tracer that
+    executes ``forward``) would otherwise leave batch-norm statistics advanced, or a buffer
+    that ``forward`` assigns (``self.mean = ...``) bound to a new tensor or to a tracer's
+    proxy. :meth:`restore` puts back every binding and value.
+    """
 
     def __init__(self, model: nn.Module) -> None:
-        self._saved = [(b, b.detach().clone()) for b in model.buffers()]
+        self._model = model
+        self._saved = [(name, b, b.detach().clone()) for name, b in model.named_buffers(remove_duplicate=False)]
+        self._versions = [_write_count(b) for _, b, _ in self._saved]
+
+    def changed(self) -> list[str]:
+        """Names of the buffers bound to another object, written in place (their version
+        counter moved: this works on the ``meta`` device too), or holding another value."""
+        now = dict(self._model.named_buffers(remove_duplicate=False))
+        out = []
+        for (name, b, v), version in zip(self._saved, self._versions):
+            cur = now.get(name)
+            if cur is not b or _write_count(b) != version or (not b.is_meta and not torch.equal(b, v)):
+                out.append(name)
+        return out
+
+    def values(self) -> dict[str, torch.Tensor]:
+        """Every buffer's current value (a copy), by qualified name."""
+        return {n: b.detach().clone() for n, b in self._model.named_buffers(remove_duplicate=False)
+                if isinstance(b, torch.Tensor)}
 
     def restore(self) -> None:
+        now = dict(self._model.named_buffers(remove_duplicate=False))
         with torch.no_grad():
-            for b, v in self._saved:
+            for name, b, v in self._saved:
+                if now.get(name) is not b:
+                    owner, _, leaf = name.rpartition(".")
+                    setattr(self._model.get_submodule(owner) if owner else self._model, leaf, b)
                 b.copy_(v)
+        self._versions = [_write_count(b) for _, b, _ in self._saved]
 
 
 @contextlib.contextmanager
@@ -322,6 +407,146 @@ def is_inplace_node(node: torch.fx.Node, gm: torch.fx.GraphModule | None = None)
         name = getattr(t, "__name__", "")
         return name.endswith("_") and not name.startswith("_")
     return False
+
+
+def _op_name(n: torch.fx.Node) -> str:
+    t = n.target
+    if isinstance(t, str):
+        return t.rsplit(".", 1)[-1]
+    if isinstance(t, torch._ops.OpOverload):
+        return t._schema.name.split("::")[-1]
+    return getattr(t, "__name__", "")
+
+
+def _is_view_op(n: torch.fx.Node) -> bool:
+    return _op_name(n) in _VIEW_OPS or n.target is operator.getitem
+
+
+def _subgraph_writes(hop: torch.fx.Node, value: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether the higher-order op ``hop`` (export's ``wrap_with_set_grad_enabled``...) writes
+    ``value`` in place inside its subgraph. Its operands are the arguments after the subgraph;
+    when they do not line up with the subgraph's inputs, any operand counts as written."""
+    args = list(hop.args)
+    subs = [(i, getattr(gm, str(a.target), None)) for i, a in enumerate(args)
+            if isinstance(a, torch.fx.Node) and a.op == "get_attr"]
+    sub_at, sub = next(((i, m) for i, m in subs if isinstance(m, torch.fx.GraphModule)), (None, None))
+    if sub_at is None or sub is None:
+        return True
+    operands = args[sub_at + 1:]
+    inputs = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    if len(operands) != len(inputs):
+        return True
+    return any(a is value and inplace_writers(ph, sub) for a, ph in zip(operands, inputs))
+
+
+def _writes(u: torch.fx.Node, v: torch.fx.Node, gm: torch.fx.GraphModule) -> bool:
+    """Whether node ``u`` writes its input ``v`` in place (an in-place op on it, or a
+    higher-order op whose subgraph does)."""
+    if u.args and u.args[0] is v and is_inplace_node(u, gm):
+        return True
+    return isinstance(u.target, torch._ops.HigherOrderOperator) and _subgraph_writes(u, v, gm)
+
+
+def inplace_writers(value: torch.fx.Node, gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes that write ``value`` (a node's result) in place, directly or through a view
+    of it: in-place ops on it (``add_``, ``copy_``, ``+=``) and higher-order ops whose subgraph
+    does (export's ``torch.no_grad()`` blocks)."""
+    out: list[torch.fx.Node] = []
+    frontier, seen = [value], {value}
+    while frontier:
+        v = frontier.pop()
+        for u in v.users:
+            if u.op == "output" or u in out:
+                continue
+            if _writes(u, v, gm):
+                out.append(u)
+            elif _is_view_op(u) and u not in seen:
+                seen.add(u)
+                frontier.append(u)
+    return out
+
+
+@dataclass
+class BufferUpdate:
+    """A buffer the graph updates: a forward's running statistic or counter, written in place
+    or by assignment (which ``torch.export`` writes back with ``copy_`` at the graph's end).
+
+    A node that reads the buffer's memory and is not on :attr:`write_path` must read a copy
+    taken where it reads it (:mod:`pipetrain.stages.partition` inserts them): autograd may
+    have saved what it read, and a later write (this forward's write-back, the next unit's
+    update) would change it.
+
+    Attributes:
+        name: its qualified name (the ``get_attr`` target).
+        reads: the ``get_attr`` nodes of it, in graph order.
+        writers: the nodes that write it, in graph order.
+        write_path: the writers and the views of the buffer they write through: the nodes
+            that must take the buffer itself.
+        aliases: the nodes whose value may be the buffer's memory when only ``write_path``
+            takes the buffer itself (the reads, the path's views, in-place results, and the
+            elements of higher-order ops on the path).
+    """
+
+    name: str
+    reads: list[torch.fx.Node]
+    writers: list[torch.fx.Node]
+    write_path: set[torch.fx.Node] = field(default_factory=set)
+    aliases: set[torch.fx.Node] = field(default_factory=set)
+
+
+def _is_buffer(gm: torch.fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_buffer(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _add_write_path(value: torch.fx.Node, gm: torch.fx.GraphModule, path: set[torch.fx.Node]) -> bool:
+    """Add to ``path`` the nodes that write ``value`` in place and the views of it they write
+    through; whether there is any."""
+    hit = False
+    for u in value.users:
+        if _writes(u, value, gm) or (_is_view_op(u) and _add_write_path(u, gm, path)):
+            path.add(u)
+            hit = True
+    return hit
+
+
+def _aliases(reads: Sequence[torch.fx.Node], path: set[torch.fx.Node]) -> set[torch.fx.Node]:
+    out = set(reads)
+    frontier = list(reads)
+    while frontier:
+        a = frontier.pop()
+        for u in a.users:
+            if u not in path:
+                continue
+            hop = isinstance(u.target, torch._ops.HigherOrderOperator)
+            for v in ([g for g in u.users if g.target is operator.getitem] if hop else [u]):
+                if v not in out:
+                    out.add(v)
+                    frontier.append(v)
+    return out
+
+
+def buffer_updates(gm: torch.fx.GraphModule) -> list[BufferUpdate]:
+    """The buffers ``gm`` writes through ``get_attr`` nodes, in the order of their first read.
+    Buffers of ``call_module`` layers (batch norm) are updated inside their layer, not listed."""
+    reads: dict[str, list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and _is_buffer(gm, str(n.target)):
+            reads.setdefault(str(n.target), []).append(n)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    out = []
+    for target, attrs in reads.items():
+        writers = sorted({w for a in attrs for w in inplace_writers(a, gm)}, key=order.__getitem__)
+        if not writers:
+            continue
+        path: set[torch.fx.Node] = set()
+        for a in attrs:
+            _add_write_path(a, gm, path)
+        out.append(BufferUpdate(target, attrs, writers, path, _aliases(attrs, path)))
+    return out
 
 
 def _is_assert_node(node: torch.fx.Node) -> bool:
@@ -598,11 +823,103 @@ def _build(model: nn.Module, gm: torch.fx.GraphModule, method: str,
 
 # --------------------------------------------------------------------------- entry point
 
-_FIX = (
+_CONTROL_FLOW_FIX = (
     "fix: remove data-dependent Python control flow (branches on tensor values, .item(), "
     ".tolist()) from forward, wrap the model as an nn.Sequential of traceable blocks, or pass "
     "a (model, example_batch) factory that builds a traceable model with explicit split points"
 )
+_TRACE_FIX = (
+    "fix: change the operation or output type these errors name so that torch.export can trace it "
+    "(forward must return tensors, or tuples, lists, dicts or a ModelOutput of them), or pass a "
+    "(model, example_batch) factory whose forward is traceable"
+)
+# What tracers say when forward branches on a tensor's value (the cause _CONTROL_FLOW_FIX addresses).
+_DATA_DEPENDENT_MARKERS = (
+    "cannot be used as inputs to control flow", "data-dependent", "data dependent",
+)
+
+
+def _fix_for(failures: Sequence[str]) -> str:
+    """The fix for the tracers' failures: the control-flow advice only when a tracer met
+    data-dependent control flow."""
+    text = " ".join(failures).lower()
+    return _CONTROL_FLOW_FIX if any(m in text for m in _DATA_DEPENDENT_MARKERS) else _TRACE_FIX
+
+
+class _EagerReference:
+    """What a traced graph must reproduce: the model's own output on the example batch (same
+    seed) and the buffers that run leaves. Computed once, on first use; the model's buffers
+    are restored after it."""
+
+    def __init__(self, model: nn.Module, inputs: tuple[Any, ...], seed: int, snapshot: BufferSnapshot) -> None:
+        self.model, self.inputs, self.seed, self.snapshot = model, inputs, seed, snapshot
+        self.output: Any = None
+        self.buffers: dict[str, torch.Tensor] = {}
+        self.changed: list[str] = []
+        self._done = False
+
+    def run(self) -> _EagerReference:
+        """Run the model once (no-op afterwards); a model that raises is the user's error."""
+        if self._done:
+            return self
+        try:
+            self.output = _eager(self.model, self.inputs, self.seed)
+        except Exception as e:  # noqa: BLE001 - any model failure is a user error here
+            raise CaptureError(
+                f"model {type(self.model).__name__} raised on the example batch (inputs: "
+                f"{_describe_inputs(self.inputs)}): {_first_line(e)}; check that the example batch matches "
+                f"what the model's forward expects") from None
+        self.buffers, self.changed = self.snapshot.values(), self.snapshot.changed()
+        self.snapshot.restore()
+        self._done = True
+        return self
+
+    def buffer_mismatch(self, after: dict[str, torch.Tensor]) -> str | None:
+        """A buffer the graph run (``after``: its buffers afterwards) leaves other than the
+        model's forward does (one the forward updates that the graph lacks, or another value)."""
+        for name in self.changed:
+            if name not in after or not _same_output(after[name], self.buffers[name]):
+                return name
+        for name, value in after.items():
+            if name in self.buffers and not _same_output(value, self.buffers[name]):
+                return name
+        return None
+
+
+def _attempt(model: nn.Module, method: str, trace: Callable[[], torch.fx.GraphModule], inputs: tuple[Any, ...],
+             seed: int, snapshot: BufferSnapshot, ref: _EagerReference,
+             validate: bool) -> tuple[torch.fx.GraphModule, dict[str, list[TensorMeta]]] | str:
+    """One tracer: its cleaned graph and node metas, or why it failed (one line)."""
+    try:
+        with _quiet_tracing():
+            raw = trace()
+        moved = snapshot.changed()
+        gm = _clean(raw)
+    except Exception as e:  # noqa: BLE001 - tracer errors are reported, not raised
+        snapshot.restore()
+        return f"torch.{method}: {_describe_failure(e, model)}"
+    if moved:  # the tracer executed the update instead of recording it: the graph holds its result
+        snapshot.restore()
+        return (f"torch.{method}: tracing ran forward's update of buffer {moved[0]!r} instead of recording it "
+                f"(the graph would hold its value as a constant)")
+    graph_state = BufferSnapshot(gm)
+    try:
+        metas, out = _propagate(gm, inputs, seed)
+    except Exception as e:  # noqa: BLE001
+        graph_state.restore()
+        snapshot.restore()
+        ref.run()  # a wrong example batch raises the clearer error
+        return f"torch.{method} graph failed to run: {_describe_failure(e, model)}"
+    after = graph_state.values()
+    graph_state.restore()
+    snapshot.restore()
+    if validate:
+        if not _same_output(out, ref.run().output):
+            return f"torch.{method}: the traced graph's output differs from the model's"
+        bad = ref.buffer_mismatch(after)
+        if bad is not None:
+            return f"torch.{method}: the traced graph leaves buffer {bad!r} other than the model's forward does"
+    return gm, metas
 
 
 def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
@@ -613,15 +930,17 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
         model: the module (its current train/eval mode is what gets captured).
         example_inputs: one example minibatch: the positional arguments of ``forward``.
         validate: also run the model eagerly on the example and check that the captured
-            graph gives the same output (same random seed); a tracer whose graph differs is
-            treated as failed.
+            graph gives the same output (same random seed) and leaves the buffers as the
+            model does (a forward that updates a running statistic); a tracer whose graph
+            differs is treated as failed.
 
     Returns:
         A :class:`CapturedModel`; the model's buffers and the global RNG are left unchanged.
 
     Raises:
         CaptureError: the example batch makes the model itself fail, or neither tracer can
-            capture it (the message names the failing operation and the line of code).
+            capture it (the message gives each tracer's own error, the line of code and the
+            submodule it came from).
 
     Example:
         >>> cm = capture(nn.Sequential(nn.Linear(4, 8), nn.ReLU()), torch.randn(2, 4))
@@ -631,57 +950,28 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
     if not isinstance(model, nn.Module):
         raise CaptureError(f"capture needs an nn.Module, got {type(model).__name__}; pass the model object")
     inputs = _as_tuple(example_inputs)
-    model_name = type(model).__name__
     devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
     seed = 0x5EED
     failures: list[str] = []
-    eager_out: Any = None
-    eager_done = False
-
-    def eager_output() -> Any:
-        nonlocal eager_out, eager_done
-        if not eager_done:
-            try:
-                eager_out = _eager(model, inputs, seed)
-            except Exception as e:  # noqa: BLE001 - any model failure is a user error here
-                raise CaptureError(
-                    f"model {model_name} raised on the example batch (inputs: {_describe_inputs(inputs)}): "
-                    f"{_first_line(e)}; check that the example batch matches what the model's forward expects"
-                ) from None
-            eager_done = True
-        return eager_out
-
     attempts: list[tuple[str, Callable[[], torch.fx.GraphModule]]] = [
         ("fx", lambda: _trace_fx(model, len(inputs))),
         ("export", lambda: _trace_export(model, inputs, dynamic_batch=True)),
         ("export", lambda: _trace_export(model, inputs, dynamic_batch=False)),
     ]
     with _no_kv_cache(model), preserved_state(model, devices) as snapshot:
+        ref = _EagerReference(model, inputs, seed, snapshot)
         if validate:
-            eager_output()
-            snapshot.restore()
+            ref.run()
         for method, trace in attempts:
             if method == "export" and any(f.startswith("torch.export") for f in failures):
                 # the dynamic-batch export failed: keep only the static attempt's error
                 failures = [f for f in failures if not f.startswith("torch.export")]
-            try:
-                with _quiet_tracing():
-                    gm = _clean(trace())
-            except Exception as e:  # noqa: BLE001 - tracer errors are reported, not raised
-                failures.append(f"torch.{method}: {_describe_failure(e)}")
+            result = _attempt(model, method, trace, inputs, seed, snapshot, ref, validate)
+            if isinstance(result, str):
+                failures.append(result)
                 continue
-            try:
-                metas, out = _propagate(gm, inputs, seed)
-            except Exception as e:  # noqa: BLE001
-                snapshot.restore()
-                eager_output()  # a wrong example batch raises the clearer error
-                snapshot.restore()
-                failures.append(f"torch.{method} graph failed to run: {_describe_failure(e)}")
-                continue
-            snapshot.restore()
-            if validate and not _same_output(out, eager_output()):
-                failures.append(f"torch.{method}: the traced graph's output differs from the model's")
-                continue
+            gm, metas = result
             return _build(model, gm, method, metas)
-        eager_output()  # wrong example batch: report that rather than the tracers' errors
-    raise CaptureError(f"cannot capture model {model_name} as a graph: {'; '.join(failures)}; {_FIX}")
+        ref.run()  # wrong example batch: report that rather than the tracers' errors
+    raise CaptureError(f"cannot capture model {type(model).__name__} as a graph: {'; '.join(failures)}; "
+                       f"{_fix_for(failures)}")

@@ -6,7 +6,7 @@
     data         DataSpec                         the real data set a run carries
     resolved     ResolvedRun, Segment             every decision of a run, made once
     segments     cut_at, segments_done, ...       segment ends, checkpoint points, resuming
-    model        load_bundle, build_stages        the run's model, captured and cut into stages
+    model        load_bundle, build_stages        the run's model, captured, cut into stages, materialised
     result       RunResult, RankReport            what a run reports
 
 Nothing here imports the runtime, the launcher or the command line: they all read these.

@@ -9,10 +9,10 @@
       training     TrainingSection     steps (or epochs), batch, seed, learning-rate schedule, clipping
       evaluation   EvaluationSection   --eval-every, --eval-batch-size, --target-accuracy / --target-loss
       optimizer    OptimizerConfig     torch.optim's hyper-parameters
-      checkpoint   CheckpointSection   --save / --resume, --checkpoint-dir/-every, --keep, --max-restarts
+      checkpoint   CheckpointSection   --save / --resume, --checkpoint-dir/-every, --keep, --max-restarts, --restart
       output       OutputSection       trace, progress lines, --json, --log-dir
       performance  PerformanceSection  threads, timeouts, allocator and kernel knobs
-      debug        DebugSection        test hooks, not shown in --help
+      debug        DebugSection        --debug (tracebacks); test hooks, not shown in --help
 
 Every field is declared with :func:`~pipetrain.job.settings.setting`: its default, its
 documentation, and how it appears on the command line (:class:`~pipetrain.job.settings.Flag`:
@@ -62,11 +62,17 @@ DEFAULT_SCHEDULE: str = SCHEDULE_NAMES[0]
 AUTO = "auto"
 LR_SCHEDULES = ("constant", "step", "cosine")
 DEVICES = ("cpu", "cuda")
+#: Steps a run trains when neither ``--steps`` nor ``--epochs`` (nor a target on real data) says.
+DEFAULT_STEPS = 10
+#: The epochs a run that trains until its target (a target on real data, neither ``--steps``
+#: nor ``--epochs``) takes at most, unless ``--max-epochs`` says (pipetrain.run.resolve).
+DEFAULT_MAX_EPOCHS = 50
 
 __all__ = [
     "SECTIONS", "TrainConfig", "ModelSection", "ParallelSection", "TrainingSection", "OptimizerConfig",
     "CheckpointSection", "DataSection", "EvaluationSection", "OutputSection", "PerformanceSection", "DebugSection",
-    "LRSchedule", "OPTIMIZERS", "LR_SCHEDULES", "DEVICES", "AUTO", "DEFAULT_SCHEDULE",
+    "LRSchedule", "OPTIMIZERS", "LR_SCHEDULES", "DEVICES", "AUTO", "DEFAULT_SCHEDULE", "DEFAULT_STEPS",
+    "DEFAULT_MAX_EPOCHS",
 ]
 
 
@@ -197,11 +203,14 @@ def _microbatched() -> str:
 class ModelSection:
     """Which model to train."""
 
-    name: str = setting("mlp", "zoo model (mlp, alexnet, vgg16, resnet50, gnmt, gpt, hf-gpt2) or "
-                               "package.module:function", key="model")
+    name: str = setting("mlp", "zoo model (mlp, alexnet, vgg16, resnet50, gnmt, gpt, hf-gpt2), "
+                               "package.module:function, or hf:DIR (a Hugging Face model directory)", key="model")
     options: Mapping[str, Any] = setting(
         None, "model option, repeatable (e.g. --option depth=4 --option width=256)", factory=dict,
         key="model_options", flag="--option", kind="append", convert=parse_model_options, metavar="KEY=VALUE")
+    init_from: str | None = setting(None, "initial weights by parameter name: a safetensors file or directory, or "
+                                          "the file --save wrote (each worker reads only its stages' tensors)",
+                                    metavar="PATH")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -329,17 +338,50 @@ class ParallelSection:
             raise RuntimeConfigError(str(e)) from None
 
 
+#: The environment variable of the documentation test's fast mode (tests/docs/): when set (to
+#: anything but ``0``), every run is cut to at most :data:`FAST_STEPS` steps and :data:`FAST_EPOCHS`
+#: epochs, so each documented command runs as written, only shorter; profiles are cut to one
+#: timed run a node (pipetrain.profile.profiler reads the same variable).
+DOCS_FAST_ENV = "PIPETRAIN_DOCS_FAST"
+#: Steps in the fast mode: a multiple of every replica count up to 4 (pipedream steps a stage
+#: with r replicas once per r minibatches, so a run's steps are a multiple of r).
+FAST_STEPS = 12
+FAST_EPOCHS = 1
+
+
+def docs_fast() -> bool:
+    """Whether the documentation test's fast mode is on (:data:`DOCS_FAST_ENV`)."""
+    import os
+
+    return os.environ.get(DOCS_FAST_ENV, "0") not in ("", "0")
+
+
+def _fast_length(section: Any) -> None:
+    """In the fast mode, cut ``section``'s steps and epochs (any that are set) to their caps."""
+    for name, cap in (("steps", FAST_STEPS), ("epochs", FAST_EPOCHS), ("max_epochs", FAST_EPOCHS)):
+        value = getattr(section, name, None)
+        if isinstance(value, int) and value > cap:
+            object.__setattr__(section, name, cap)
+
+
 @dataclass(frozen=True)
 class TrainingSection:
     """What is trained: steps, batch, seed, learning-rate schedule, clipping.
 
     A *step* is one minibatch of ``batch_size`` samples and one optimizer step of the last
-    stage.
+    stage. The run's length is ``steps``, else ``epochs`` of real data, else, with a target
+    on real data, up to ``max_epochs`` epochs until the target (:data:`DEFAULT_MAX_EPOCHS`),
+    else :data:`DEFAULT_STEPS` steps; :func:`pipetrain.run.resolve.resolve_length` decides.
     """
 
-    steps: int = setting(10, "minibatches to train, i.e. optimizer steps (timed)", type=int)
+    steps: int | None = setting(None, f"minibatches to train, i.e. optimizer steps (timed; default: "
+                                      f"{DEFAULT_STEPS}, or with --target-accuracy / --target-loss on real data "
+                                      f"until the target, at most --max-epochs)", type=int)
     epochs: int | None = setting(None, "passes over the train split of real data: sets the steps to epochs * "
                                        "(train samples // batch size); not with --steps", type=int)
+    max_epochs: int | None = setting(None, f"a run that trains until --target-accuracy / --target-loss (neither "
+                                           f"--steps nor --epochs given) stops after this many epochs if the "
+                                           f"target is not reached (default: {DEFAULT_MAX_EPOCHS})", type=int)
     warmup_steps: int = setting(0, "untimed minibatches before the timed ones (benchmarks)", type=int)
     batch_size: int | None = setting(None, "samples per minibatch (default: the model's)", type=int)
     seed: int = setting(0, "seed of model init and data (minibatch t uses seed + t)", type=int)
@@ -355,7 +397,10 @@ class TrainingSection:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "lr_schedule", _lr_schedule(self.lr_schedule))
-        _positive_int("steps", self.steps)
+        if self.steps is not None:
+            _positive_int("steps", self.steps)
+        if self.max_epochs is not None:
+            _positive_int("max_epochs", self.max_epochs)
         _positive_int("warmup_steps", self.warmup_steps, minimum=0)
         if self.epochs is not None:
             _positive_int("epochs", self.epochs)
@@ -363,6 +408,8 @@ class TrainingSection:
             _positive_int("batch_size", self.batch_size)
         if self.clip_grad_norm is not None and not self.clip_grad_norm > 0:
             raise RuntimeConfigError(f"--clip-grad-norm must be > 0, got {self.clip_grad_norm}")
+        if docs_fast():
+            _fast_length(self)
 
 
 @dataclass(frozen=True)
@@ -382,8 +429,9 @@ class DataSection:
     data_dir: str | None = setting(None, "where fashion-mnist's IDX files are (default: Debian's "
                                          "dataset-fashion-mnist directory)", metavar="DIR")
     seq_len: int | None = setting(None, "tokens per sample of text data (default 128)", type=int)
-    loader_workers: int | None = setting(None, "background processes loading units per worker (default: 0 for "
-                                               "in-memory data sets, 2 for user datasets)", type=int)
+    loader_workers: int | None = setting(None, "background processes loading units per worker, kept for the whole "
+                                               "run (default: 0, loading in the worker, unless a short timing of a "
+                                               "few items finds them slow enough to repay 2)", type=int)
 
     def __post_init__(self) -> None:
         if not isinstance(self.data, str) or not self.data.strip():
@@ -406,11 +454,16 @@ class EvaluationSection:
 
     Evaluation runs at segment boundaries (the pipeline drains there, see
     :class:`~pipetrain.job.resolved.Segment`): every ``eval_every`` steps, by default
-    every epoch of real data; synthetic data has no eval split and is never evaluated.
+    every ``round(steps_per_epoch / evals_per_epoch)`` steps of real data (once an epoch unless
+    ``evals_per_epoch`` says; ``pipetrain compare`` asks for 10); synthetic data has no eval
+    split and is never evaluated.
     """
 
-    eval_every: int | None = setting(None, "evaluate every N steps (default: every epoch with real data; 0: never)",
-                                     type=int)
+    eval_every: int | None = setting(None, "evaluate every N steps (default: --evals-per-epoch times an epoch with "
+                                           "real data; 0: never)", type=int)
+    evals_per_epoch: int | None = setting(None, "with real data and no --eval-every: evaluate about N times an epoch, "
+                                                "every round(train steps per epoch / N) steps (default: 1 for train, "
+                                                "10 for compare)", type=int)
     eval_batch_size: int | None = setting(None, "eval samples per batch through the pipeline (default: the "
                                                 "batch size; a multiple of the microbatch size)", type=int)
     target_accuracy: float | None = setting(None, "stop at the first evaluation with this accuracy (a fraction, "
@@ -422,6 +475,12 @@ class EvaluationSection:
 
         if self.eval_every is not None:
             _positive_int("eval_every", self.eval_every, minimum=0)
+        if self.evals_per_epoch is not None:
+            _positive_int("evals_per_epoch", self.evals_per_epoch)
+            if self.eval_every is not None:
+                raise RuntimeConfigError(
+                    f"--eval-every {self.eval_every} and --evals-per-epoch {self.evals_per_epoch} both set how often "
+                    f"to evaluate; pass one of them")
         if self.eval_batch_size is not None:
             _positive_int("eval_batch_size", self.eval_batch_size)
         validate_target_accuracy(self.target_accuracy)
@@ -436,11 +495,12 @@ class EvaluationSection:
 class CheckpointSection:
     """Where the run's final state goes and where it continues from.
 
-    ``checkpoint_dir``, ``checkpoint_every``, ``keep`` and ``max_restarts`` are declared and
-    checked here; periodic checkpoints and restarts are implemented by
+    ``checkpoint_dir``, ``checkpoint_every``, ``keep``, ``max_restarts`` and ``restart`` are
+    declared and checked here; periodic checkpoints and restarts are implemented by
     :mod:`pipetrain.runtime.checkpoints.periodic` (``save_at_boundary``, called by every rank after
-    each segment) and the launcher. Checkpoint points split the run into segments
-    (:func:`pipetrain.run.resolve.segment_plan`), so every checkpoint is at a drained boundary.
+    each segment) and the launcher (:mod:`pipetrain.run.launcher`: which checkpoint to resume).
+    Checkpoint points split the run into segments (:func:`pipetrain.run.resolve.segment_plan`),
+    so every checkpoint is at a drained boundary.
     """
 
     save: str | None = setting(None, "write the final model state_dict (and PATH.trainer) to PATH", metavar="PATH")
@@ -452,6 +512,8 @@ class CheckpointSection:
     keep: int | None = setting(None, "keep the newest N checkpoints in --checkpoint-dir (default: all)", type=int)
     max_restarts: int = setting(0, "restart the workers from the latest checkpoint up to R times after a failure",
                                 type=int)
+    restart: bool = setting(False, "start over from step 0 although --checkpoint-dir holds checkpoints (they are "
+                                   "moved into DIR/set-aside-TIME/, not resumed from)", kind="true")
 
     def __post_init__(self) -> None:
         for name in ("checkpoint_every", "keep"):
@@ -467,6 +529,9 @@ class CheckpointSection:
             if self.max_restarts:
                 raise RuntimeConfigError(f"--max-restarts {self.max_restarts} restarts from the latest checkpoint, "
                                          f"so it needs --checkpoint-dir DIR; pass --checkpoint-dir or drop it")
+            if self.restart:
+                raise RuntimeConfigError("--restart starts over instead of resuming from --checkpoint-dir, so it "
+                                         "needs --checkpoint-dir DIR; pass --checkpoint-dir or drop --restart")
 
 
 @dataclass(frozen=True)
@@ -505,6 +570,9 @@ class PerformanceSection:
     fused_grads: bool = setting(True, "accumulate Linear weight gradients through autograd (by default the "
                                       "backward's GEMM adds them into the accumulator in place)",
                                 flag="--no-fused-grads", kind="false")
+    cache: bool = setting(True, "measure again instead of reusing the profiles and calibrations --schedule auto "
+                                "measured before on this machine for the same model and settings (kept in "
+                                "$PIPETRAIN_CACHE, default ~/.cache/pipetrain)", flag="--no-cache", kind="false")
     measure_memory: bool = setting(False, "count the tensor memory each worker holds, by kind, and report its peak "
                                           "(tensor_peak_bytes in --json); costs time on every action, so it is off "
                                           "by default (benchmarks/run.py turns it on)", kind="true")
@@ -519,8 +587,11 @@ class PerformanceSection:
 
 @dataclass(frozen=True)
 class DebugSection:
-    """Test hooks: not shown in ``--help``."""
+    """Debugging: the traceback of an error (``--debug``), and test hooks not shown in ``--help``."""
 
+    show_traceback: bool = setting(False, "print an error's traceback too (errors are one line otherwise; on a "
+                                          "pipeline run each failing worker prints its own)", flag="--debug",
+                                   kind="true")
     debug_fail: str | None = setting(None, "RANK:STEP[:hang|kill|kill-save] makes RANK raise (hang, SIGKILL itself, "
                                            "or SIGKILL itself inside the checkpoint write) at STEP", hidden=True)
     return_state: bool = setting(False, "gather the final parameters into the result (library, tests)", flag=None)

@@ -1,11 +1,22 @@
-"""The model a run trains, built the same way in every process.
+"""The model a run trains, built the same way in every process, each holding only its part.
 
-:func:`load_bundle` makes the model from the seed (the same initial weights in every
-process); :func:`build_stages` also captures it and cuts the captured graph into the run's
-stage node lists: what every worker and the reference replay start from.
+Every process builds the model *weightless* (:mod:`pipetrain.models.materialize`: parameters
+and buffers on the ``meta`` device) and captures it there; then it gives storage and initial
+values to the tensors it needs: all of them for one process and the reference replay
+(:func:`load_bundle`), its own stages' for a worker (:func:`build_stages`), none for the
+launcher (``weights=False``). A tensor's initial value depends only on the seed and its
+name, so every layout starts from the same weights.
+
+A factory whose initialisation cannot be reproduced tensor by tensor (it initialises outside
+``reset_parameters``) is built whole on the CPU in every process, from ``torch.manual_seed(seed)``,
+with a one-line warning that states the cost; so is a model whose forward cannot run on
+``meta`` (it mixes in CPU tensors it creates itself). A model whose forward runs on ``meta``
+but whose weightless capture fails is materialised whole by the process that captures it.
 """
 from __future__ import annotations
 
+import logging
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -17,18 +28,145 @@ from .resolved import ResolvedRun
 if TYPE_CHECKING:
     from ..graph.capture import CapturedModel
     from ..models.bundle import ModelBundle
+    from ..models.materialize import WeightlessModel
+    from ..models.pretrained import TensorFiles
+    from ..stages.boundary import BoundaryCodec
     from ..stages.partition import Partition
 
-__all__ = ["StagedModel", "build_stages", "load_bundle"]
+log = logging.getLogger(__name__)
+
+__all__ = ["StagedModel", "build_stages", "load_bundle", "load_captured", "capture_model", "model_batch_size",
+           "retarget_meta", "stage_tensor_names", "unread_tensor_names"]
 
 
-def load_bundle(cfg: TrainConfig, unit_batch: int) -> Any:
-    """The model bundle, initialised from ``seed`` (same weights in every process), with a
-    unit-sized example batch (what the shapes of wire tensors are taken from)."""
+_WARNED: set[str] = set()  # models whose whole build this process has announced
+
+
+def _mib(model: torch.nn.Module) -> float:
+    tensors = {id(t): t for t in [*model.parameters(), *model.buffers()]}
+    return sum(t.numel() * t.element_size() for t in tensors.values()) / 2 ** 20
+
+
+def _pretrained(cfg: TrainConfig, model: torch.nn.Module) -> TensorFiles | None:
+    """The run's pretrained weights (``--init-from``, else an ``hf:DIR``'s files), checked
+    against the model's names and shapes (their headers only), or ``None``."""
+    from ..models.pretrained import HF_PREFIX, TensorFiles, hf_directory
+
+    if cfg.model.init_from is not None:
+        files = TensorFiles.at(cfg.model.init_from, f"--init-from {cfg.model.init_from}")
+        files.check(model)
+    elif cfg.model.name.startswith(HF_PREFIX):
+        files = TensorFiles.at(hf_directory(cfg.model.name), f"--model {cfg.model.name}")
+        files.check(model, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    else:
+        return None
+    return files
+
+
+def _seeded(cfg: TrainConfig, unit_batch: int | None, warn: bool) -> tuple[ModelBundle, WeightlessModel | None]:
+    """The bundle, weightless when the factory allows it (its WeightlessModel), else built whole
+    from ``torch.manual_seed(seed)`` (``None``)."""
     from ..models import load_model
+    from ..models.loader import load_weightless
+    from ..models.materialize import NotWeightless
+    from ..models.pretrained import load_into
 
-    torch.manual_seed(cfg.training.seed)
-    return load_model(cfg.model.name, batch_size=unit_batch, **cfg.model.options)
+    seed = cfg.training.seed
+    try:
+        bundle, weightless = load_weightless(cfg.model.name, seed, unit_batch, **cfg.model.options)
+    except NotWeightless as exc:
+        reason = str(exc)
+    else:
+        weightless.source = _pretrained(cfg, bundle.model)
+        return bundle, weightless
+    torch.manual_seed(seed)
+    bundle = load_model(cfg.model.name, batch_size=unit_batch, **cfg.model.options)
+    files = _pretrained(cfg, bundle.model)
+    if files is not None:
+        load_into(bundle.model, files)
+    if warn and cfg.model.name not in _WARNED:
+        _WARNED.add(cfg.model.name)
+        log.warning("model %s cannot be built without its weights (%s): every process builds it whole on the CPU, "
+                    "%.0f MiB of parameters and buffers each; move its initialisation into reset_parameters() to "
+                    "hold only each stage's", cfg.model.name, reason, _mib(bundle.model))
+    return bundle, None
+
+
+def load_bundle(cfg: TrainConfig, unit_batch: int, *, weights: bool = True, warn: bool = False) -> Any:
+    """The model bundle with a unit-sized example batch (what the shapes of wire tensors are
+    taken from); ``weights``: every tensor with its initial value from ``seed`` (module
+    docstring), else weightless where the factory allows it (a model for capture and checks).
+    ``warn``: say it when the model must be built whole (the launcher, once)."""
+    bundle, weightless = _seeded(cfg, unit_batch, warn)
+    if weights and weightless is not None:
+        weightless.materialize()
+    return bundle
+
+
+def load_captured(cfg: TrainConfig, unit_batch: int, *, weights: bool = False,
+                  warn: bool = False) -> tuple[Any, CapturedModel]:
+    """:func:`load_bundle` and the model's capture (:func:`capture_model`: on ``meta`` when
+    weightless; ``weights``: every tensor materialised after it, for profiling)."""
+    bundle, weightless = _seeded(cfg, unit_batch, warn)
+    captured = capture_model(bundle, weightless)
+    if weights and weightless is not None and not weightless.materialized:
+        weightless.materialize(holders=[captured.gm])
+        retarget_meta(captured.gm)
+    return bundle, captured
+
+
+def model_batch_size(cfg: TrainConfig) -> int:
+    """The batch size of the model's own example batch (built weightless where it can be)."""
+    with torch.random.fork_rng(devices=[]):
+        return int(_seeded(cfg, None, warn=False)[0].batch_size)
+
+
+def retarget_meta(gm: torch.fx.GraphModule) -> None:
+    """``torch.export`` writes the example's device into the ops that create tensors
+    (``arange(..., device=meta)``): make it the CPU, where a capture of the built model has
+    it (for running the graph once its tensors are materialised)."""
+    meta, cpu = torch.device("meta"), torch.device("cpu")
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        changed = False
+
+        def swap(a: Any) -> Any:
+            nonlocal changed
+            if isinstance(a, torch.device) and a == meta:
+                changed = True
+                return cpu
+            return a
+
+        for n in module.graph.nodes:
+            n.args = torch.fx.node.map_aggregate(n.args, swap)
+            n.kwargs = torch.fx.node.map_aggregate(n.kwargs, swap)  # type: ignore[assignment]
+        if changed:
+            module.recompile()
+
+
+def capture_model(bundle: Any, weightless: WeightlessModel | None = None) -> CapturedModel:
+    """``bundle.model`` captured: on ``meta`` when it is weightless (:func:`retarget_meta`
+    makes its graph run on the CPU once materialised). A model whose forward cannot run on
+    ``meta`` is materialised whole (``weightless``: its WeightlessModel, required then) and
+    captured as it is."""
+    from ..errors import CaptureError
+    from ..graph.capture import capture
+    from ..models.materialize import is_weightless, on_device_of
+
+    model = bundle.model
+    if not is_weightless(model):
+        return capture(model, bundle.example_inputs)
+    try:
+        captured = capture(model, on_device_of(model, bundle.example_inputs), validate=False)
+    except CaptureError as exc:
+        if weightless is None:
+            raise
+        log.warning("model %s cannot be captured without its weights (%s); this process builds it whole",
+                    bundle.name, str(exc).splitlines()[0][:200])
+        weightless.materialize()
+        return capture(model, bundle.example_inputs)
+    return captured
 
 
 @dataclass(frozen=True)
@@ -36,22 +174,69 @@ class StagedModel:
     """A run's model, its capture, and the capture cut into the plan's stages.
 
     Attributes:
-        bundle: the :class:`~pipetrain.models.ModelBundle` (from the seed, unit-sized example batch).
-        captured: ``bundle.model`` captured (:func:`pipetrain.graph.capture`).
+        bundle: the :class:`~pipetrain.models.ModelBundle` (unit-sized example batch); its
+            model holds storage only for the tensors asked for (the rest on ``meta``).
+        captured: ``bundle.model`` captured (:func:`capture_model`), sharing its tensors.
         partition: the captured graph's nodes assigned to the plan's stages
             (:func:`pipetrain.stages.partition.partition_graph`).
+        codecs: every cut's wires (:func:`pipetrain.stages.partition.boundary_codecs`).
     """
 
     bundle: ModelBundle
     captured: CapturedModel
     partition: Partition
+    codecs: list[BoundaryCodec]
 
 
-def build_stages(run: ResolvedRun) -> StagedModel:
-    """Load a multi-worker run's model from the seed, capture it, cut it into its stages."""
-    from ..graph.capture import capture
-    from ..stages.partition import partition_graph
+def _attribute_tensors(gm: torch.fx.GraphModule, target: str) -> list[str]:
+    """The tensor names a ``get_attr`` target stands for (a tensor, or a submodule's tensors)."""
+    owner, _, leaf = target.rpartition(".")
+    value = getattr(gm.get_submodule(owner) if owner else gm, leaf, None)
+    if isinstance(value, torch.nn.Module):
+        return [f"{target}.{n}" for n, _ in [*value.named_parameters(remove_duplicate=False),
+                                            *value.named_buffers(remove_duplicate=False)]]
+    return [target] if isinstance(value, torch.Tensor) else []
 
-    bundle = load_bundle(run.config, run.unit_batch)
-    captured = capture(bundle.model, bundle.example_inputs)
-    return StagedModel(bundle, captured, partition_graph(captured.gm, run.stage_nodes))
+
+def stage_tensor_names(gm: torch.fx.GraphModule, part: Partition, stages: Collection[int]) -> set[str]:
+    """The qualified names of the parameters and buffers that stages ``stages`` hold: those of
+    the modules their nodes call and the attributes they read (what
+    :func:`~pipetrain.stages.partition.build_stage_modules` puts in them)."""
+    names: set[str] = set()
+    for n in gm.graph.nodes:
+        called = n.op == "call_module" and part.stage_of.get(n.name) in stages
+        read = n.op == "get_attr" and any(k in stages for k in part.attr_stages.get(n.name, ()))
+        if called or read:
+            names.update(_attribute_tensors(gm, str(n.target)))
+    return names
+
+
+def unread_tensor_names(gm: torch.fx.GraphModule, part: Partition, model: torch.nn.Module) -> set[str]:
+    """The model's ``state_dict`` entries no stage reads (rank 0 saves them)."""
+    read = stage_tensor_names(gm, part, range(part.num_stages))
+    return {k for k in model.state_dict(keep_vars=True) if k not in read}
+
+
+def build_stages(run: ResolvedRun, stages: Collection[int] | None = None, *, unread: bool = False) -> StagedModel:
+    """A multi-worker run's model, captured, cut into its stages, with storage and initial
+    values for the tensors of ``stages`` only (``None``: every tensor; ``unread``: also
+    those no stage reads, which rank 0 saves). The wires of every cut are described first,
+    on the weightless model."""
+    from ..models.materialize import on_device_of
+    from ..stages.partition import boundary_codecs, partition_graph
+
+    bundle, weightless = _seeded(run.config, run.unit_batch, warn=False)
+    captured = capture_model(bundle, weightless)
+    if weightless is not None and weightless.materialized:
+        weightless = None  # captured whole: every tensor holds its value
+    part = partition_graph(captured.gm, run.stage_nodes)
+    codecs = boundary_codecs(captured.gm, part, on_device_of(bundle.model, bundle.example_inputs))
+    if weightless is not None:
+        retarget_meta(captured.gm)
+        names: set[str] | None = None
+        if stages is not None:
+            names = stage_tensor_names(captured.gm, part, stages)
+            if unread:
+                names |= unread_tensor_names(captured.gm, part, bundle.model)
+        weightless.materialize(names, holders=[captured.gm])
+    return StagedModel(bundle, captured, part, codecs)

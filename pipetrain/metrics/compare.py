@@ -4,12 +4,18 @@
 One row per configuration that ``pipetrain compare`` ran (``"dp"``, ``"pipedream"``,
 ``"pipedream (no stashing)"``, ``"2bw"``, ...), all with the same seed, data and target:
 
-    schedule                 reached  time to target  epochs to target  final acc  final loss  samples/s  bytes/sample
-    dp                       yes             41.2 s              3.00     0.9512      0.1630      812.3        10.4 KB
-    pipedream (no stashing)  no                   -                 -     0.9104      0.2871      951.0         6.2 KB
+    schedule   reached  time to target  epochs to target  final acc  final loss  samples/s  evals  wall s  bytes/sample
+    dp             yes          41.2 s              2.73     0.9512      0.1630      812.3     30    52.0       10.4 KB
+    pipedream       no               -                 -     0.9104      0.2871      951.0    110   141.3        6.1 KB
 
-``-`` marks a target never reached. ``bytes/sample`` is what all workers sent per training
-sample (activations, gradients and all-reduce traffic together).
+``-`` marks a target never reached. Time to target counts training alone (the clock
+pauses while evaluating), epochs to target are fractional (the epoch of the first evaluation
+that met the target). The evaluations' cost is apart: ``evals`` counts them, ``eval s`` is
+the wall time they took (shown when measured), ``wall s`` the whole configuration's wall
+time (start-up, training, evaluation; shown when measured). ``bytes/sample`` is what all
+workers sent per training sample (activations, gradients and all-reduce traffic together).
+:meth:`CompareRow.limit_notice` is the one line saying that ``--max-epochs`` ended a row
+that trained until its target without reaching it.
 """
 from __future__ import annotations
 
@@ -22,7 +28,8 @@ from .target import TargetTracker
 
 #: Keys every row of :func:`rows_to_json` has (``pipetrain compare --json``).
 ROW_KEYS = ("schedule", "reached", "time_to_accuracy", "epochs_to_accuracy", "steps_to_accuracy", "final_accuracy",
-            "final_loss", "final_perplexity", "samples_per_second", "bytes_per_sample")
+            "final_loss", "final_perplexity", "samples_per_second", "bytes_per_sample", "evaluations",
+            "eval_seconds", "train_seconds", "run_seconds", "max_epochs", "stopped_by")
 
 
 @dataclass
@@ -34,6 +41,12 @@ class CompareRow:
     figures; ``samples_per_second`` the training throughput; ``bytes_per_sample`` the bytes
     all workers sent per training sample (None if not measured); ``history`` every evaluation
     in order (for the plots).
+
+    The cost apart from training: ``train_seconds`` (the run's training seconds),
+    ``run_seconds`` (the wall seconds of the whole configuration: start-up, training,
+    evaluation) and :attr:`eval_seconds` (the evaluations' own wall time); each None where not
+    measured. ``max_epochs`` is the limit of a run that trained until its target (None: its
+    length was fixed by steps or epochs).
     """
 
     schedule: str
@@ -47,6 +60,40 @@ class CompareRow:
     steps_to_accuracy: int | None = None
     final_perplexity: float | None = None
     history: list[EvalResult] = field(default_factory=list)
+    train_seconds: float | None = None
+    run_seconds: float | None = None
+    max_epochs: int | None = None
+
+    @property
+    def evaluations(self) -> int:
+        """How many evaluations ran."""
+        return len(self.history)
+
+    @property
+    def eval_seconds(self) -> float | None:
+        """The evaluations' wall time, summed (None unless every evaluation measured its own)."""
+        times = [r.eval_seconds for r in self.history]
+        if not times or any(t is None for t in times):
+            return None
+        return float(sum(t for t in times if t is not None))
+
+    @property
+    def stopped_by(self) -> str:
+        """What ended the run: ``"target"`` (reached), ``"max_epochs"`` (a run until its target
+        that did not reach it) or ``"length"`` (its steps or epochs)."""
+        if self.reached:
+            return "target"
+        return "max_epochs" if self.max_epochs is not None else "length"
+
+    def limit_notice(self, target_accuracy: float | None = None, target_loss: float | None = None) -> str | None:
+        """``"NAME: target ... not reached in E epochs, the --max-epochs E limit (best ...); ..."``
+        when ``--max-epochs`` ended this row (:attr:`stopped_by`), else None."""
+        if self.stopped_by != "max_epochs":
+            return None
+        tracker = TargetTracker(target_accuracy, target_loss)
+        for r in self.history:
+            tracker.update(r)
+        return f"{self.schedule}: {tracker.summary(max_epochs=self.max_epochs)}"
 
     @staticmethod
     def from_tracker(schedule: str, tracker: TargetTracker, samples_per_second: float,
@@ -88,7 +135,9 @@ def format_table(rows: list[CompareRow], target: str | None = None) -> str:
     header.append("final loss")
     if show_ppl:
         header.append("final ppl")
-    header += ["samples/s", "bytes/sample"]
+    show_eval = any(r.eval_seconds is not None for r in rows)
+    show_wall = any(r.run_seconds is not None for r in rows)
+    header += ["samples/s", "evals"] + ["eval s"] * show_eval + ["wall s"] * show_wall + ["bytes/sample"]
     body: list[list[str]] = []
     for r in rows:
         cells = [r.schedule, "yes" if r.reached else "no",
@@ -99,7 +148,9 @@ def format_table(rows: list[CompareRow], target: str | None = None) -> str:
         cells.append(_num(r.final_loss, ".4f"))
         if show_ppl:
             cells.append(_num(r.final_perplexity, ".3f"))
-        cells += [_num(r.samples_per_second, ".1f"), format_bytes(r.bytes_per_sample)]
+        cells += [_num(r.samples_per_second, ".1f"), str(r.evaluations)]
+        cells += [_num(r.eval_seconds, ".1f")] * show_eval + [_num(r.run_seconds, ".1f")] * show_wall
+        cells.append(format_bytes(r.bytes_per_sample))
         body.append(cells)
     widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
 

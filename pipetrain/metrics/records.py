@@ -12,7 +12,8 @@ Where a run is (the clock of every record):
 - ``epoch``: fractional epochs completed, ``samples / len(train_set)``: 1.0 at the end of the
   first epoch, 0.5 halfway through it (evaluating every N steps gives fractional epochs);
 - ``wall_time``: seconds of training since the run started (see :class:`~pipetrain.metrics.clock.TrainClock`:
-  the time spent evaluating is not counted, so time to accuracy measures training alone).
+  the time spent evaluating is not counted, so time to accuracy measures training alone);
+  an evaluation's own cost is its ``eval_seconds``, apart.
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ class EvalResult:
     ``perplexity`` is ``exp(loss)`` for language models, else None; ``task`` says which of
     these the evaluation measures. ``eval_samples`` counts
     the eval samples (batch rows) and ``eval_targets`` the target elements the means are over.
+    ``eval_seconds`` is the wall time the evaluation itself took (outside ``wall_time``'s
+    training clock); None where the caller did not measure it.
     """
 
     step: int
@@ -48,6 +51,7 @@ class EvalResult:
     task: TaskKind = "classification"
     eval_samples: int = 0
     eval_targets: int = 0
+    eval_seconds: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON form (every field; non-finite floats become None so the JSON stays valid)."""
@@ -62,7 +66,7 @@ class EvalResult:
             loss=float("nan") if loss is None else float(loss), accuracy=_opt_float(d.get("accuracy")),
             perplexity=_opt_float(d.get("perplexity")), wall_time=float(d.get("wall_time", 0.0)),
             task=d.get("task", "classification"), eval_samples=int(d.get("eval_samples", 0)),
-            eval_targets=int(d.get("eval_targets", 0)))
+            eval_targets=int(d.get("eval_targets", 0)), eval_seconds=_opt_float(d.get("eval_seconds")))
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,10 @@ is *reached* at the first evaluation that meets every target given:
 and time, epochs and steps to the target are that evaluation's ``wall_time``, ``epoch`` and
 ``step``; later evaluations never change them (the first crossing counts, as in the paper's
 time-to-accuracy). Epochs are fractional where evaluation runs every N steps.
+
+A run that trains until its target (neither ``--steps`` nor ``--epochs``) stops at the
+first crossing or after ``--max-epochs`` epochs; :meth:`TargetTracker.summary` given that
+limit says, in one line, that the limit ended the run.
 """
 from __future__ import annotations
 
@@ -150,14 +154,17 @@ class TargetTracker:
             parts.append(f"loss {_fmt(self.target_loss)}")
         return "target " + " and ".join(parts) if parts else "no target"
 
-    def summary(self, epochs: float | None = None) -> str:
+    def summary(self, epochs: float | None = None, max_epochs: int | None = None) -> str:
         """One line for the end of the run, e.g.
 
         ``target accuracy 0.95 reached at epoch 3 (step 300, 41.2 s): accuracy 0.9512, loss 0.16``
         ``target accuracy 0.95 not reached in 5 epochs (best 0.91 at epoch 4)``
         ``target loss 1.1 not reached in 5 epochs (best loss 1.24 (perplexity 3.456) at epoch 5)``
+        ``target accuracy 0.99 not reached in 1 epoch, the --max-epochs 1 limit (best 0.95 at epoch 0.91); pass a
+        larger --max-epochs to train longer``
 
-        ``epochs``: the epochs trained (default: the last evaluation's epoch).
+        ``epochs``: the epochs trained (default: the last evaluation's epoch); ``max_epochs``:
+        the limit of a run that trains until its target (None: the run's length was fixed).
         """
         last, best = self.last, self.best
         if last is None or best is None:
@@ -176,8 +183,11 @@ class TargetTracker:
         if not self.has_target:
             return (f"no target set; {_figures(last)} after {trained} {unit} "
                     f"(best {best_value} at epoch {_fmt_epoch(best.epoch)})")
-        return (f"{self.describe_target()} not reached in {trained} {unit} "
-                f"(best {best_value} at epoch {_fmt_epoch(best.epoch)})")
+        best_at = f"(best {best_value} at epoch {_fmt_epoch(best.epoch)})"
+        if max_epochs is not None:
+            return (f"{self.describe_target()} not reached in {trained} {unit}, the --max-epochs {max_epochs} limit "
+                    f"{best_at}; pass a larger --max-epochs to train longer")
+        return f"{self.describe_target()} not reached in {trained} {unit} {best_at}"
 
     def to_dict(self) -> dict[str, Any]:
         """The figures ``train --json`` reports: the last evaluation (``eval_accuracy``,

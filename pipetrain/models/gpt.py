@@ -103,7 +103,12 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, heads, seq_len, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d_model)
         self.lm_head = nn.Linear(d_model, vocab, bias=False)
-        # GPT-2's initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * layers).
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """GPT-2's initialisation (Radford et al. 2019): weights N(0, 0.02), the residual
+        projections' scaled by 1/sqrt(2 * layers), biases zero; layer norms keep their own."""
+        layers = len(self.blocks)
         for name, p in self.named_parameters():
             if name.endswith("proj.weight"):
                 nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * layers))

@@ -7,6 +7,10 @@ wrapper makes ``forward(input_ids)`` return the logits tensor only. Options use 
 the built-in ``gpt`` model, with the same defaults, so ``hf-gpt2`` and ``gpt`` have the same
 shape. Hugging Face's forward has data-dependent Python control flow, so
 ``torch.fx.symbolic_trace`` fails on it; ``torch.export`` captures it.
+
+A stock Hugging Face model a user factory returns as it comes (``use_cache`` at its default,
+GPT-2, or an encoder-decoder such as T5 or BART whose decoder stack holds its own config) is
+captured with the cache off on every config it holds (:mod:`pipetrain.graph.capture`).
 """
 from __future__ import annotations
 

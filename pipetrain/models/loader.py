@@ -1,4 +1,5 @@
-"""``load_model(spec)``: a built-in model by name or a user factory ``package.module:function``.
+"""``load_model(spec)``: a built-in model by name, a user factory ``package.module:function``,
+or a Hugging Face model directory ``hf:DIR`` (:mod:`pipetrain.models.pretrained`).
 
 A factory returns either a :class:`ModelBundle` or ``(model, example_batch)``. The second form
 is wrapped into a bundle: the model is run once on the example batch (which must work), the
@@ -30,7 +31,9 @@ from .bundle import (
     example_inputs,
     mse_loss,
 )
+from .materialize import NotWeightless, WeightlessModel, build_weightless, on_device_of
 from .output import output_logits
+from .pretrained import HF_PREFIX, build_hf
 from .registry import get_model
 
 SPEC_FORMAT = "a built-in model name or 'package.module:function'"
@@ -117,8 +120,8 @@ def wrap_model(model: nn.Module, example_batch: Any, name: str) -> ModelBundle:
     dict with ``"logits"``, a tuple whose first element is the logits: see
     :func:`~pipetrain.models.output.output_logits`); the loss reads the logits. The model runs
     once on the example batch (without gradients; the CPU random state and
-    the module's buffers, e.g. batch-norm statistics, are restored afterwards) to learn the
-    output's shape and dtype.
+    the module's buffers, e.g. batch-norm statistics, are restored afterwards; a weightless
+    model runs on a meta copy of the batch) to learn the output's shape and dtype.
     """
     if isinstance(example_batch, Tensor):
         inputs: tuple[Tensor, ...] = (example_batch,)
@@ -137,7 +140,7 @@ def wrap_model(model: nn.Module, example_batch: Any, name: str) -> ModelBundle:
     saved = {k: b.detach().clone() for k, b in model.named_buffers()}
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            output = model(*inputs)
+            output = model(*on_device_of(model, inputs))
             try:   # a Hugging Face ModelOutput, a dict or tuple holding the logits: those count
                 output = output_logits(output)
             except ModelError:
@@ -167,32 +170,39 @@ def wrap_model(model: nn.Module, example_batch: Any, name: str) -> ModelBundle:
                        default_loss=True)
 
 
-def load_model(spec: str, batch_size: int | None = None, **options: Any) -> ModelBundle:
-    """A bundle from a built-in name (see :func:`get_model`) or a ``package.module:function`` factory.
-
-    The factory is called with ``**options`` (and ``batch_size=`` if it has such a parameter)
-    and returns a :class:`ModelBundle` or ``(model, example_batch)``. When ``batch_size`` is
-    given and differs from the factory's example batch, the example inputs are redrawn with
-    the bundle's ``make_batch`` at that size. Example:
-
-        >>> bundle = load_model("mypkg.models:make_model", batch_size=32)   # doctest: +SKIP
-    """
+def _check_spec(spec: Any, batch_size: int | None) -> None:
     if not isinstance(spec, str) or not spec:
         raise ModelError(f"model spec must be {SPEC_FORMAT}, got {spec!r}")
     if batch_size is not None:
         check_batch_size(batch_size)
+
+
+def _construct(spec: str, batch_size: int | None, options: dict[str, Any]) -> Any:
+    """What the spec builds: a zoo bundle, a Hugging Face directory's, or a factory's own result."""
+    if spec.startswith(HF_PREFIX):
+        return build_hf(spec, batch_size, options)
     if ":" not in spec:
         return get_model(spec, batch_size, **options)
-    fn = _import_factory(spec)
-    result = _call_factory(fn, spec, batch_size, options)
+    return _call_factory(_import_factory(spec), spec, batch_size, options)
+
+
+def _model_of(result: Any, spec: str) -> nn.Module:
+    """The module of a factory's result (a bundle or ``(model, example_batch)``)."""
     if isinstance(result, ModelBundle):
-        bundle = result
-    elif isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], nn.Module):
-        bundle = wrap_model(result[0], result[1], spec)
-    else:
-        raise ModelError(
-            f"model factory {spec!r} must return (nn.Module, example_batch) or a ModelBundle, got "
-            f"{describe_value(result)}; return e.g. (model, torch.randn(32, 784))")
+        return result.model
+    if isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[0], nn.Module):
+        return result[0]
+    raise ModelError(
+        f"model factory {spec!r} must return (nn.Module, example_batch) or a ModelBundle, got "
+        f"{describe_value(result)}; return e.g. (model, torch.randn(32, 784))")
+
+
+def _finish(result: Any, spec: str, batch_size: int | None, options: dict[str, Any]) -> ModelBundle:
+    """The bundle of a factory's result, its options and example batch filled in."""
+    model = _model_of(result, spec)
+    bundle = result if isinstance(result, ModelBundle) else wrap_model(model, result[1], spec)
+    if ":" not in spec or spec.startswith(HF_PREFIX):
+        return bundle
     if not bundle.options:
         bundle.options = dict(options)
     if batch_size is not None and bundle.batch_size != batch_size:
@@ -204,3 +214,47 @@ def load_model(spec: str, batch_size: int | None = None, **options: Any) -> Mode
             raise ModelError(f"make_batch of model {spec!r} failed for batch_size={batch_size}: "
                              f"{_first_line(exc)}; fix the bundle's make_batch") from None
     return bundle
+
+
+def load_model(spec: str, batch_size: int | None = None, **options: Any) -> ModelBundle:
+    """A bundle from a built-in name (see :func:`get_model`) or a ``package.module:function`` factory.
+
+    The factory is called with ``**options`` (and ``batch_size=`` if it has such a parameter)
+    and returns a :class:`ModelBundle` or ``(model, example_batch)``. When ``batch_size`` is
+    given and differs from the factory's example batch, the example inputs are redrawn with
+    the bundle's ``make_batch`` at that size. Example:
+
+        >>> bundle = load_model("mypkg.models:make_model", batch_size=32)   # doctest: +SKIP
+    """
+    _check_spec(spec, batch_size)
+    return _finish(_construct(spec, batch_size, options), spec, batch_size, options)
+
+
+def load_weightless(spec: str, seed: int, batch_size: int | None = None,
+                    **options: Any) -> tuple[ModelBundle, WeightlessModel]:
+    """:func:`load_model` with the model's parameters and buffers on ``meta``
+    (:func:`pipetrain.models.materialize.build_weightless`): the bundle, whose example batch
+    and data are real, and the :class:`~pipetrain.models.materialize.WeightlessModel` that
+    gives any of its tensors their initial value from ``seed`` and their name.
+
+    A ``(model, example_batch)`` factory's model runs once on a meta copy of the batch (for
+    its output's shape): one whose forward cannot (it adds CPU tensors of its own to its
+    activations) is built whole.
+
+    Raises:
+        NotWeightless: the factory's initialisation cannot be reproduced tensor by tensor,
+            or the factory (or that forward) fails on meta tensors (the message says why);
+            build it with :func:`load_model` instead, which gives a failing factory's own error.
+    """
+    _check_spec(spec, batch_size)
+    try:
+        result, weightless = build_weightless(lambda: _construct(spec, batch_size, options),
+                                              lambda r: _model_of(r, spec), seed)
+        bundle = _finish(result, spec, batch_size, options)
+        weightless.rebind()  # buffers the forward for shapes assigned
+    except NotWeightless:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the whole build (load_model) reports a real failure itself
+        raise NotWeightless(f"it fails with its tensors on the meta device: {_first_line(exc)}") from None
+    return bundle, weightless
+

@@ -56,23 +56,33 @@ def _input_shape(o: dict[str, Any]) -> tuple[int, ...]:
     return tuple(o["input_shape"]) if o["input_shape"] is not None else (o["in_features"] or o["width"],)
 
 
-def _build(o: dict[str, Any]) -> nn.Sequential:
+class MLP(nn.Sequential):
+    """The layers in order (an ``nn.Sequential``), He-initialised."""
+
+    def __init__(self, *layers: nn.Module) -> None:
+        super().__init__(*layers)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """He initialisation (fan-in, ReLU gain; He et al. 2015), biases zero: PyTorch's default
+        Linear init shrinks the signal by about sqrt(3) a layer, so a 16-deep MLP would not train from it."""
+        for layer in self:
+            if isinstance(layer, nn.Linear):
+                nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
+                nn.init.zeros_(layer.bias)
+
+
+def _build(o: dict[str, Any]) -> MLP:
     in_features = o["in_features"] or o["width"]
     layers: list[nn.Module] = [nn.Flatten()] if len(_input_shape(o)) > 1 else []
     for i in range(o["depth"]):
         layers += [nn.Linear(in_features if i == 0 else o["width"], o["width"]), nn.ReLU()]
     if o["num_classes"] is not None:
         layers.append(nn.Linear(o["width"], o["num_classes"]))
-    # He initialisation (fan-in, ReLU gain): PyTorch's default Linear init shrinks the signal
-    # by about sqrt(3) a layer, so a 16-deep MLP would not train from it.
-    for layer in layers:
-        if isinstance(layer, nn.Linear):
-            nn.init.kaiming_normal_(layer.weight, nonlinearity="relu")
-            nn.init.zeros_(layer.bias)
-    return nn.Sequential(*layers)
+    return MLP(*layers)
 
 
-def build_model(**options: Any) -> nn.Sequential:
+def build_model(**options: Any) -> MLP:
     """The MLP alone (no example batch), e.g. ``build_model(depth=4, width=32)``."""
     return _build(_resolve(options).values)
 

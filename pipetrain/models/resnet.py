@@ -100,7 +100,10 @@ class ResNet(nn.Module):
         self.layer1, self.layer2, self.layer3, self.layer4 = stages
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
         self.fc = nn.Linear(inplanes, num_classes)
-        # torchvision's initialisation.
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """torchvision's initialisation: convolutions He (fan-out), norms one and zero."""
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

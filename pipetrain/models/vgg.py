@@ -71,7 +71,10 @@ class VGG(nn.Module):
             nn.Linear(hidden, hidden), nn.ReLU(), nn.Dropout(p=dropout),
             nn.Linear(hidden, num_classes),
         )
-        # torchvision's initialisation.
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """torchvision's initialisation: convolutions He (fan-out), linear layers N(0, 0.01), biases zero."""
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")

@@ -50,6 +50,10 @@ def profile_to_dict(profile: Profile) -> dict[str, Any]:
         ],
         **({"loss_saved_bytes": profile.loss_saved_bytes, "loss_saves_output": profile.loss_saves_output}
            if profile.loss_saved_bytes is not None else {}),
+        **({"measured_step": {"forward_time": profile.measured_forward_time,
+                              "backward_time": profile.measured_backward_time,
+                              **({"first_node": profile.measured_from} if profile.measured_from else {})}}
+           if profile.measured_step_time is not None else {}),
     }
 
 
@@ -111,16 +115,36 @@ def profile_from_dict(d: Any, source: str = "<dict>") -> Profile:
     if not isinstance(osb, (int, float)) or isinstance(osb, bool) or not 0 <= osb < math.inf:
         raise ProfileError(f"{source}: optimizer_state_bytes_per_parameter_byte={osb!r} must be a finite number >= 0; "
                            "fix it")
+    step = _measured_step(d.get("measured_step"), source)
     if not nodes:
         raise ProfileError(f"{source}: the profile has no nodes; "
                            "profile a model with `pipetrain profile --model NAME --output FILE`")
+    if step[2] is not None and step[2] not in {n.name for n in nodes}:
+        raise ProfileError(f"{source}: measured_step names first_node {step[2]!r}, which is not a node of the "
+                           "profile; fix it or drop measured_step")
     return Profile(
         model=str(d.get("model", "")), batch_size=batch, nodes=topological_nodes(nodes, source),
         device=str(d.get("device", "unknown")), optimizer=str(d.get("optimizer", "sgd")),
         optimizer_state_bytes_per_parameter_byte=float(osb),
         loss_saved_bytes=_optional_bytes(d.get("loss_saved_bytes"), source, "loss", "loss_saved_bytes"),
         loss_saves_output=bool(d.get("loss_saves_output", False)),
+        measured_forward_time=step[0], measured_backward_time=step[1], measured_from=step[2],
     )
+
+
+def _measured_step(v: Any, source: str) -> tuple[float | None, float | None, str | None]:
+    """(forward, backward) seconds and first node of the optional ``measured_step`` object
+    (all None when absent)."""
+    if v is None:
+        return None, None, None
+    times: list[Any] = [v.get(k) for k in ("forward_time", "backward_time")] if isinstance(v, dict) else [None]
+    if not all(isinstance(t, (int, float)) and not isinstance(t, bool) and 0 <= t < math.inf for t in times):
+        raise ProfileError(f"{source}: measured_step={v!r} must be {{\"forward_time\": S, \"backward_time\": S}} "
+                           "with finite seconds >= 0; fix it or drop it")
+    first = v.get("first_node")
+    if first is not None and not isinstance(first, str):
+        raise ProfileError(f"{source}: measured_step first_node={first!r} must be a node name; fix it or drop it")
+    return float(times[0]), float(times[1]), first
 
 
 def _optional_bytes(v: Any, source: str, label: Any, name: str) -> int | None:

@@ -5,15 +5,27 @@ compute time ``T_l``, the size of its output activations ``a_l`` (what crosses a
 boundary cut after ``l``) and the size of its weights ``w_l`` (what data parallelism
 all-reduces and what the optimizer keeps state for) (PipeDream, SOSP'19, section 3.1).
 
-How a node is measured (:func:`profile_captured`): the graph runs once, node by node, in
-topological order. Each node is run in isolation ``warmup + repeats`` times on detached
-copies of its real inputs (``requires_grad`` set where the real value depends on trainable
-parameters, so the first layer computes no input gradient, as in training). A run times
-the node's forward with autograd recording, then ``torch.autograd.backward`` of the node's
-differentiable outputs with a random gradient of their shape; the reported times are the
-medians over the ``repeats`` timed runs. Nodes with no differentiable output get backward 0.
-In-place nodes run on fresh clones each time, so repeats never compound. On CUDA the device
-is synchronized around every timed region.
+How the times are measured (:func:`profile_captured`, :mod:`pipetrain.profile.measure`):
+what a stage will run is timed, not each aten operator alone. The graph runs once, node by
+node, in topological order; every node is run alone once (forward on detached copies of its
+real inputs, ``requires_grad`` set where the real value depends on trainable parameters,
+then backward from a random gradient of its differentiable outputs) for an *estimate* and
+for what it saves for backward. Consecutive nodes are joined into *segments* at module
+boundaries (:mod:`pipetrain.profile.segments`) of a few milliseconds each, and every
+segment, once its last node has run, is timed as its own ``GraphModule``, forward and
+backward, ``warmup`` untimed and up to ``repeats`` timed runs (fewer for a long segment,
+:class:`~pipetrain.profile.timing.RepeatBudget`), robust statistics of them
+(:func:`~pipetrain.profile.timing.robust_seconds`), less the timer's own cost measured on
+an empty region. A segment's forward and backward are split over its nodes in proportion to
+their estimates, so per-node entries remain for the planner and add up to the segments.
+Finally the whole model runs as one segment (a model whose activations exceed
+``check_memory``: the longest tail of its graph that fits): the profile records that step
+(``measured_forward_time`` / ``measured_backward_time``, ``measured_from``), and
+:func:`~pipetrain.profile.step_check.step_check` compares the profile's total with it.
+Nodes with no differentiable output get backward 0. In-place nodes run on fresh clones, so
+repeats never compound. On CUDA the device is synchronized around every timed region.
+Memory is bounded by the values crossing the current cut plus one segment's saved tensors
+and gradients during the per-node pass, and by ``check_memory`` during the final check.
 
 Activation bytes come from the capture's shape propagation (every output tensor of the
 node); parameter bytes from the graph (each parameter counted once, see
@@ -23,10 +35,7 @@ The model's buffers, parameter gradients and the global RNG are left as they wer
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
-import statistics
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -36,10 +45,26 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import ProfileError
-from ..graph.capture import CapturedModel, capture, is_inplace_node, node_op_name, preserved_state
+from ..graph.capture import CapturedModel, capture, preserved_state
+from .measure import CHECK_MEMORY, MeasureOptions, measure_graph
+from .saved import SavedBytes
 from .types import NodeProfile, Profile
 
 __all__ = ["OPTIMIZER_STATE_FACTORS", "optimizer_state_factor", "profile_captured", "profile_model", "resolve_device"]
+
+#: The documentation test's fast mode (``pipetrain.job.config.DOCS_FAST_ENV``, the same name):
+#: when set (to anything but ``0``), every node is timed once after at most one warm-up run.
+DOCS_FAST_ENV = "PIPETRAIN_DOCS_FAST"
+
+
+def fast_counts(warmup: int, repeats: int) -> tuple[int, int]:
+    """``(warmup, repeats)``, cut to at most one each in the fast mode."""
+    import os
+
+    if os.environ.get(DOCS_FAST_ENV, "0") in ("", "0"):
+        return warmup, repeats
+    return min(warmup, 1), min(repeats, 1)
+
 
 #: Optimizer state kept per byte of parameters: SGD with momentum keeps one buffer, Adam two.
 OPTIMIZER_STATE_FACTORS = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}
@@ -101,21 +126,6 @@ def _to_device(value: Any, device: torch.device) -> Any:
     return pytree.tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, value)
 
 
-def _as_leaf(t: torch.Tensor) -> torch.Tensor:
-    """A graph-free copy of a value that keeps whether it needs a gradient."""
-    return t.detach().requires_grad_(t.requires_grad)
-
-
-def _leafify(value: Any) -> Any:
-    return pytree.tree_map(lambda t: _as_leaf(t) if isinstance(t, torch.Tensor) else t, value)
-
-
-def _fresh_clone(t: torch.Tensor) -> torch.Tensor:
-    """An input for an in-place node: a private copy (non-leaf if it needs a gradient)."""
-    leaf = t.detach().clone().requires_grad_(t.requires_grad)
-    return leaf.clone() if leaf.requires_grad else leaf
-
-
 @contextlib.contextmanager
 def num_threads(threads: int | None) -> Iterator[None]:
     """``torch.set_num_threads(threads)`` inside the block, restored after; None: unchanged."""
@@ -147,127 +157,21 @@ def _saved_grads(modules: Sequence[nn.Module]) -> Iterator[None]:
             p.grad = g
 
 
-class _NodeTimer:
-    """Times single nodes of a GraphModule (forward, then backward of its outputs)."""
-
-    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, warmup: int, repeats: int) -> None:
-        self.gm = gm
-        self.interp = torch.fx.Interpreter(gm)
-        self.warmup = warmup
-        self.repeats = repeats
-        self.sync: Callable[[], None] = (
-            (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-        )
-
-    def _args(self, node: torch.fx.Node, env: dict[str, Any], inplace: bool) -> tuple[Any, Any]:
-        prepare = _fresh_clone if inplace else _as_leaf
-
-        def load(src: torch.fx.Node) -> Any:
-            value = env[src.name]
-            if src.op == "get_attr":
-                return value  # parameters themselves: their gradients are part of backward
-            return pytree.tree_map(lambda t: prepare(t) if isinstance(t, torch.Tensor) else t, value)
-
-        args = torch.fx.node.map_arg(node.args, load)
-        kwargs = torch.fx.node.map_arg(node.kwargs, load)
-        return args, kwargs
-
-    def time(self, node: torch.fx.Node, env: dict[str, Any]) -> tuple[float, float, Any]:
-        """Median forward and backward seconds of ``node``, and its output (leafified)."""
-        inplace = is_inplace_node(node, self.gm)
-        call = getattr(self.interp, node.op)
-        fwd: list[float] = []
-        bwd: list[float] = []
-        out: Any = None
-        for i in range(self.warmup + self.repeats):
-            args, kwargs = self._args(node, env, inplace)
-            self.sync()
-            t0 = time.perf_counter()
-            with torch.enable_grad():
-                out = call(node.target, args, kwargs)
-            self.sync()
-            t1 = time.perf_counter()
-            diff = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-            t_bwd = 0.0
-            if diff:
-                grads = [torch.randn_like(t) for t in diff]
-                self.sync()
-                t2 = time.perf_counter()
-                try:
-                    torch.autograd.backward(diff, grads)
-                except RuntimeError as e:
-                    first = (str(e).strip().splitlines() or [""])[0]
-                    raise ProfileError(
-                        f"node {node.name!r} ({node_op_name(node, self.gm)}) has no usable backward: {first}; "
-                        "a model must be differentiable to be trained; replace that operation"
-                    ) from None
-                self.sync()
-                t_bwd = time.perf_counter() - t2
-            if i >= self.warmup:
-                fwd.append(t1 - t0)
-                bwd.append(t_bwd)
-        return statistics.median(fwd), statistics.median(bwd), _leafify(out)
-
-    def run_once(self, node: torch.fx.Node, env: dict[str, Any]) -> Any:
-        """One untimed forward of ``node`` with autograd recording; its raw output."""
-        args, kwargs = self._args(node, env, is_inplace_node(node, self.gm))
-        with torch.enable_grad():
-            return getattr(self.interp, node.op)(node.target, args, kwargs)
-
-
-class _SavedBytes:
-    """What each node's forward saves for its backward, storage by storage (the memory model).
-
-    ``owner`` maps a storage to the node whose output first held it (a view's storage stays
-    its root's), so a saved tensor is either a weight (left out: counted once per version),
-    an earlier node's output (``saved_inputs``: that node's), or new (``saved_bytes``).
-    """
-
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self.weights = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *gm.buffers()]}
-        self.owner: dict[int, str] = {}
-
-    def register(self, name: str, value: Any) -> None:
-        for t in pytree.tree_leaves(value):
-            if isinstance(t, torch.Tensor):
-                self.owner.setdefault(t.untyped_storage().data_ptr(), name)
-
-    def measure(self, run: Callable[[], Any]) -> tuple[Any, int, list[str], bool]:
-        """``run()`` under saved-tensor hooks: (output, new bytes, saved earlier nodes, output saved)."""
-        saved: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            saved[st.data_ptr()] = st.nbytes()
-            return t
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = run()
-        outs = {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)}
-        new, inputs, output_saved = 0, [], False
-        for ptr, nbytes in saved.items():
-            if ptr == 0 or ptr in self.weights:
-                continue
-            if ptr in self.owner:
-                if self.owner[ptr] not in inputs:
-                    inputs.append(self.owner[ptr])
-                continue
-            new += nbytes
-            output_saved = output_saved or ptr in outs
-        return out, new, inputs, output_saved
-
-
 def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | torch.Tensor, *,
                      batch_size: int | None = None, device: str | torch.device = "cpu",
                      warmup: int = 2, repeats: int = 5, optimizer: str = "sgd",
                      momentum: float = 0.9, model_name: str = "",
                      threads: int | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
-                     target: Any = None) -> Profile:
+                     target: Any = None, progress: bool = False,
+                     check_memory: float | None = CHECK_MEMORY) -> Profile:
     """Profile an already captured model (its ``gm`` and ``example_inputs`` on ``device``).
 
     Same measurements and arguments as :func:`profile_model`; node names are
     ``captured.graph``'s. Use this when the caller also needs the capture. With ``loss_fn``
     and ``target`` the profile also records what the loss saves for backward.
+    ``check_memory``: activation bytes the final whole-model check may hold (None: no limit);
+    a model with more is checked on the longest tail of its graph that fits
+    (:func:`~pipetrain.profile.measure.check_start`).
     """
     _check_counts(warmup, repeats)
     dev = resolve_device(device)
@@ -285,49 +189,33 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
         first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
         batch_size = int(first.shape[0]) if first is not None else None
 
+    def loss(saved: SavedBytes, output: Any) -> tuple[int, bool] | None:
+        if loss_fn is None or target is None:
+            return None
+        return _loss_saved(saved, loss_fn, output, _to_device(target, dev))
+
     _warm_autograd(dev)
-    timer = _NodeTimer(gm, dev, warmup, repeats)
-    env: dict[str, Any] = {}
-    times: dict[str, tuple[float, float]] = {}
-    saved = _SavedBytes(gm)
-    kept: dict[str, tuple[int, list[str], bool]] = {}
-    loss_saved: tuple[int, bool] | None = None
+    options = MeasureOptions(*fast_counts(warmup, repeats), progress=progress, check_memory=check_memory)
+    acts = {n.name: n.activation_bytes for n in captured.graph}
     with num_threads(threads), _saved_grads([gm]), preserved_state(gm, [dev]):
-        feed = iter(inputs)
-        for node in gm.graph.nodes:
-            if node.op == "placeholder":
-                env[node.name] = _leafify(next(feed))
-                saved.register(node.name, env[node.name])
-            elif node.op == "get_attr":
-                env[node.name] = timer.interp.fetch_attr(str(node.target))
-            elif node.op == "output":
-                if loss_fn is not None and target is not None:
-                    loss_saved = _loss_saved(saved, loss_fn, torch.fx.node.map_arg(node.args[0], lambda n: env[n.name]),
-                                             _to_device(target, dev))
-                break
-            else:
-                f, b, _ = timer.time(node, env)
-                # One more (untimed) run under saved-tensor hooks: what this node keeps for backward.
-                out, nbytes, ins, own = saved.measure(functools.partial(timer.run_once, node, env))
-                env[node.name] = _leafify(out)
-                saved.register(node.name, env[node.name])
-                kept[node.name] = (nbytes, ins, own)
-                times[node.name] = (f, b)
-    env.clear()
+        measured = measure_graph(gm, inputs, dev, options, loss, acts)
 
     nodes = []
     for ln in captured.graph:
-        f, b = times.get(ln.name, (0.0, 0.0))
+        f, b = measured.times.get(ln.name, (0.0, 0.0))
         nodes.append(NodeProfile(
             name=ln.name, op=ln.op, forward_time=0.0 if ln.is_input else f,
             backward_time=0.0 if ln.is_input else b, activation_bytes=ln.activation_bytes,
             parameter_bytes=ln.parameter_bytes, inputs=list(ln.inputs), kind=ln.kind,
-            **({} if ln.is_input else _saved_fields(kept.get(ln.name))),
+            **({} if ln.is_input else _saved_fields(measured.kept.get(ln.name))),
         ))
+    loss_saved = measured.loss_saved
     return Profile(
         model=model_name, batch_size=batch_size, nodes=nodes, device=str(dev),
         optimizer=optimizer.lower(), optimizer_state_bytes_per_parameter_byte=factor,
         loss_saved_bytes=loss_saved[0] if loss_saved else None, loss_saves_output=bool(loss_saved and loss_saved[1]),
+        measured_forward_time=measured.step[0], measured_backward_time=measured.step[1],
+        measured_from=measured.step_from,
     )
 
 
@@ -337,7 +225,7 @@ def _saved_fields(kept: tuple[int, list[str], bool] | None) -> dict[str, Any]:
     return {"saved_bytes": nbytes, "saved_inputs": list(ins), "output_saved": own}
 
 
-def _loss_saved(saved: _SavedBytes, loss_fn: Callable[[Any, Any], Any], output: Any,
+def _loss_saved(saved: SavedBytes, loss_fn: Callable[[Any, Any], Any], output: Any,
                 target: Any) -> tuple[int, bool] | None:
     """(new bytes, whether the model's output is saved) of ``loss_fn(output, target)``'s forward;
     None if the loss cannot run on the graph's output as captured."""
@@ -361,7 +249,8 @@ def _model_device(model: nn.Module) -> torch.device | None:
 def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.Tensor | None = None, *,
                   batch_size: int | None = None, device: str | torch.device = "cpu",
                   warmup: int = 2, repeats: int = 5, optimizer: str = "sgd", momentum: float = 0.9,
-                  model_name: str = "", threads: int | None = None) -> Profile:
+                  model_name: str = "", threads: int | None = None, progress: bool = False,
+                  check_memory: float | None = CHECK_MEMORY) -> Profile:
     """Capture a model and measure every layer's costs for one minibatch.
 
     Args:
@@ -374,14 +263,19 @@ def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.
             first input).
         device: ``"cpu"`` or ``"cuda"``; the model is moved there for the measurement and
             moved back afterwards.
-        warmup: untimed runs of each node before the timed ones.
-        repeats: timed runs of each node; times are their median.
+        warmup: untimed runs of each segment before the timed ones (none for a segment
+            that takes :data:`~pipetrain.profile.measure.LONG_RUN` or more).
+        repeats: timed runs of each segment at most (fewer once they add up to
+            :data:`~pipetrain.profile.measure.SEGMENT_BUDGET`; a node that takes that long
+            alone is run once); times are their robust mean.
         optimizer: ``"sgd"``, ``"adam"`` or ``"adamw"``: sets
             ``optimizer_state_bytes_per_parameter_byte`` (SGD with momentum 1, without 0,
             Adam 2).
         momentum: SGD momentum (0 means no momentum buffer).
         model_name: recorded in the profile (default: the bundle's name or the class name).
         threads: if given, ``torch.set_num_threads`` for the measurement (restored after).
+        progress: show progress on a long profile (a bar on a terminal, else log lines).
+        check_memory: activation bytes the final check may hold (:func:`profile_captured`).
 
     Returns:
         A :class:`Profile` whose node names are the captured graph's node names.
@@ -432,7 +326,7 @@ def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.
         return profile_captured(
             captured, inputs, batch_size=batch_size, device=dev, warmup=warmup, repeats=repeats,
             optimizer=optimizer, momentum=momentum, model_name=name, threads=threads,
-            loss_fn=loss_fn, target=target,
+            loss_fn=loss_fn, target=target, progress=progress, check_memory=check_memory,
         )
     finally:
         if moved:

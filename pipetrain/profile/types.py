@@ -10,7 +10,13 @@ JSON format, version 1::
                 "inputs": ["x"]}, ...]}
 
 Times are seconds for one minibatch of ``batch_size`` samples; sizes are bytes. Nodes are
-listed in a topological order. Readers also accept PipeDream's text format by the ``.txt``
+listed in a topological order. A profile measured by :mod:`pipetrain.profile.profiler` also
+holds the whole-model step measured in the same run (optional; readers that do not know it
+ignore it; ``first_node``, present when the check ran on the graph's tail from that node
+only, see :mod:`pipetrain.profile.measure`)::
+
+     "measured_step": {"forward_time": 0.031, "backward_time": 0.057}
+ Readers also accept PipeDream's text format by the ``.txt``
 extension (see :mod:`pipetrain.profile.pipedream_txt`).
 """
 from __future__ import annotations
@@ -59,6 +65,10 @@ class Profile:
     version: int = PROFILE_VERSION
     loss_saved_bytes: int | None = None  # new storages the loss saves for backward (None: not measured)
     loss_saves_output: bool = False      # whether the loss saves the model's output
+    # -- the whole model's forward and backward measured in the same run (None: not measured)
+    measured_forward_time: float | None = None
+    measured_backward_time: float | None = None
+    measured_from: str | None = None     # the first node of the measured region (None: the whole model)
 
     def __post_init__(self) -> None:
         self._index = {n.name: i for i, n in enumerate(self.nodes)}
@@ -83,6 +93,14 @@ class Profile:
     @property
     def total_backward_time(self) -> float:
         return sum(n.backward_time for n in self.nodes if not n.is_input)
+
+    @property
+    def measured_step_time(self) -> float | None:
+        """The forward + backward measured with the profile, of the whole model or of the nodes
+        from ``measured_from`` on (None: not measured)."""
+        if self.measured_forward_time is None or self.measured_backward_time is None:
+            return None
+        return self.measured_forward_time + self.measured_backward_time
 
     @property
     def total_parameter_bytes(self) -> int:

@@ -19,6 +19,7 @@ import torch
 from ..errors import ModelError, PipetrainError, RuntimeConfigError
 from ..job.config import TrainConfig
 from ..job.resolved import ResolvedRun
+from ..models.materialize import is_weightless, meta_limit, on_device_of
 
 __all__ = ["preflight", "check_output_paths", "check_model_batch"]
 
@@ -126,10 +127,14 @@ def check_model_batch(cfg: TrainConfig, bundle: Any, unit_batch: int) -> None:
         # Warnings (a broadcasting loss) would break the one-line error; training shows them.
         with torch.no_grad(), torch.random.fork_rng(devices=[]), warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            loss = bundle.loss_fn(bundle.model(*inputs), target)
+            # a weightless model (the launcher's) runs for shapes on meta
+            model = bundle.model
+            loss = bundle.loss_fn(model(*on_device_of(model, inputs)), on_device_of(model, target))
     except PipetrainError:
         raise
     except Exception as exc:  # noqa: BLE001 - the user's model or loss: one line
+        if is_weightless(bundle.model) and meta_limit(exc):
+            return  # the forward needs values: the workers run it on their stages' own
         raise ModelError(
             f"model {name!r} fails on a batch from its make_batch (inputs {_describe(inputs)}, target "
             f"{_describe(target)}): {_first_line(exc)}; make make_batch return what the model and its loss "

@@ -4,11 +4,14 @@ One *entry* per configuration: a schedule (``dp``, ``pipedream``, ``2bw``, ``flu
 ``gpipe``, ...) with its options, and with ``no_stashing`` an extra "pipedream (no stashing)"
 entry (PipeDream's ablation: backward with the newest weights, docs/schedules.md). Every
 entry is trained one after the other through :func:`pipetrain.run.train` with the same base
-configuration (model, data, seed, batch size, optimizer, epochs, target), so the rows differ
+configuration (model, data, seed, batch size, optimizer, length, target), so the rows differ
 only in the schedule::
 
-    rows = compare(TrainConfig.of(model="mlp", data="digits", workers=2, epochs=5, target_accuracy=0.9),
+    rows = compare(TrainConfig.of(model="mlp", data="digits", workers=2, target_accuracy=0.9),
                    ["dp", "pipedream", "flush"], no_stashing=True).rows
+
+With a target and neither steps nor epochs, every entry trains until the target, at most
+``max_epochs`` epochs (:func:`pipetrain.run.resolve.resolve_length`).
 
 What each entry runs on ``N`` workers (:func:`entry_config`):
 
@@ -18,12 +21,17 @@ What each entry runs on ``N`` workers (:func:`entry_config`):
   with ``auto_plan``, what the planner chooses for that schedule from a quick profile;
   a schedule with its own layout (``interleaved``: ``virtual_stages`` chunks per rank) keeps it;
 - microbatches: the given count for schedules whose unit is the microbatch, else each
-  schedule's default; schedule options go to the schedules that take them.
+  schedule's default; schedule options go to the schedules that take them;
+- evaluation: on real data, :data:`EVALS_PER_EPOCH` times an epoch unless ``eval_every`` or
+  ``evals_per_epoch`` says, so that epochs and seconds to the target resolve to a tenth of
+  an epoch rather than whole epochs.
 
-Figures of a row (:class:`~pipetrain.metrics.CompareRow`): time, epochs and steps to the
-target (training time only: evaluation excluded), the last evaluation, the training
-throughput, and ``bytes_per_sample``: the bytes all ranks sent (activations, gradients and
-all-reduce traffic) divided by the samples trained.
+Figures of a row (:class:`~pipetrain.metrics.CompareRow`): time, epochs (fractional) and
+steps to the target (training time only: evaluation excluded), the last evaluation, the
+training throughput, ``bytes_per_sample`` (the bytes all ranks sent: activations, gradients
+and all-reduce traffic, divided by the samples trained), and apart from training the
+evaluations (count, and their time where measured) and the configuration's wall seconds
+(start-up, training and evaluation, measured here around ``train``).
 
 An entry that cannot run (a schedule whose rules the options break, a worker failure) becomes
 one :class:`Failure` line; the rows already run are kept and returned.
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import logging
 import re
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +54,7 @@ from ..metrics import CompareRow, EvalResult, rows_to_json
 from ..schedule import SCHEDULES, get_schedule
 
 __all__ = ["CompareEntry", "Failure", "Comparison", "TrainFunction", "compare_entries", "entry_config", "row_of",
-           "compare", "schedule_option_keys"]
+           "compare", "schedule_option_keys", "EVALS_PER_EPOCH"]
 
 log = logging.getLogger("pipetrain.compare")
 
@@ -95,6 +104,10 @@ def schedule_option_keys() -> list[str]:
     return [fl.key for _, fl in settings(ParallelSection) if fl.schedule_option]
 
 
+#: Evaluations per epoch of real data an entry runs when neither ``eval_every`` nor
+#: ``evals_per_epoch`` is given (``train``'s default is once an epoch).
+EVALS_PER_EPOCH = 10
+
 #: The schedule option whose ``False`` makes the extra "no stashing" entry.
 NO_STASHING_OPTION = "stashing"
 
@@ -138,6 +151,7 @@ def entry_config(base: TrainConfig, entry: CompareEntry, schedule_options: Mappi
     ``schedule_options`` (flat key -> value) are the options given for the comparison; each
     goes to the schedules that take it, the entry's own options win. ``microbatches`` (default
     ``base``'s) goes to the schedules whose unit is the microbatch; the others get their own.
+    On real data, evaluation runs :data:`EVALS_PER_EPOCH` times an epoch unless ``base`` says.
     """
     spec = get_schedule(entry.schedule)
     par = base.parallel
@@ -158,6 +172,9 @@ def entry_config(base: TrainConfig, entry: CompareEntry, schedule_options: Mappi
         values["config"] = "-".join(["1"] * workers) if workers > 1 else None
     m = microbatches if microbatches is not None else par.microbatches
     values["microbatches"] = m if spec.unit == "microbatch" else None
+    ev = base.evaluation
+    if not base.data.synthetic and ev.eval_every is None and ev.evals_per_epoch is None:
+        values["evals_per_epoch"] = EVALS_PER_EPOCH
     return base.replace(**values)
 
 
@@ -168,8 +185,15 @@ def _bytes_per_sample(result: RunResult) -> float | None:
     return float(sum(result.bytes_sent)) / samples
 
 
-def row_of(label: str, result: RunResult) -> CompareRow:
-    """The comparison row of a finished run (:class:`~pipetrain.job.result.RunResult`)."""
+def _max_epochs(result: RunResult) -> int | None:
+    """The epoch limit of a run that trained until its target (its resolved configuration's)."""
+    limit = (result.run.get("config") or {}).get("training", {}).get("max_epochs")
+    return None if limit is None else int(limit)
+
+
+def row_of(label: str, result: RunResult, run_seconds: float | None = None) -> CompareRow:
+    """The comparison row of a finished run (:class:`~pipetrain.job.result.RunResult`);
+    ``run_seconds``: the wall time of the whole run, where the caller measured it."""
     history = [EvalResult.from_dict(d) for d in (getattr(result, "eval_history", None) or [])]
     last = history[-1] if history else None
     final_loss = getattr(result, "eval_loss", None)
@@ -185,7 +209,8 @@ def row_of(label: str, result: RunResult) -> CompareRow:
         final_perplexity=getattr(result, "eval_perplexity", None),
         samples_per_second=float(result.samples_per_second),
         bytes_per_sample=_bytes_per_sample(result),
-        history=history)
+        history=history, train_seconds=float(result.seconds), run_seconds=run_seconds,
+        max_epochs=_max_epochs(result))
 
 
 def _one_line(e: BaseException) -> str:
@@ -233,6 +258,11 @@ def compare(base: TrainConfig, schedules: Sequence[str], *, no_stashing: bool = 
     result = Comparison()
     entries = compare_entries(schedules, no_stashing)
     log_dir = base.output.log_dir
+    if not base.data.synthetic:
+        # the data every row reads: a missing or broken data set fails once, not once per row
+        from .resolve import resolve_data
+
+        resolve_data(base)
     for entry in entries:
         try:
             cfg = entry_config(base, entry, schedule_options, auto_plan, microbatches)
@@ -240,7 +270,9 @@ def compare(base: TrainConfig, schedules: Sequence[str], *, no_stashing: bool = 
                 cfg = cfg.replace(log_dir=str(Path(log_dir) / _slug(entry.label)))
             if on_start is not None:
                 on_start(entry, cfg)
+            t0 = time.perf_counter()
             run = train(cfg)
+            seconds = time.perf_counter() - t0
             if run is None:
                 raise RuntimeConfigError("compare runs its configurations itself; start it without torchrun")
         except KeyboardInterrupt:
@@ -256,7 +288,7 @@ def compare(base: TrainConfig, schedules: Sequence[str], *, no_stashing: bool = 
             if on_failure is not None:
                 on_failure(fail)
             continue
-        row = row_of(entry.label, run)
+        row = row_of(entry.label, run, seconds)
         result.rows.append(row)
         result.details[entry.label] = {
             "config": run.config, "workers": run.workers, "microbatches": run.microbatches, "steps": run.steps,

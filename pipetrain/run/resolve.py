@@ -6,7 +6,8 @@ schedule's :class:`~pipetrain.schedule.ScheduleSpec` wherever the schedule matte
 1. the world size (``--workers``, or what ``--config`` / ``--plan`` / ``--cut`` need);
 2. the batch size (``--batch-size``, else the model's) and the microbatches (``--microbatches``,
    else ``spec.default_microbatches``), which must divide it;
-3. the model (built from the seed) and its capture;
+3. the model, weightless (no parameter storage: :mod:`pipetrain.job.model`; real weights only
+   for a quick profile), and its capture;
 4. the plan: ``--plan`` loaded, ``--cut`` / ``--config`` / the schedule's own layout cut by
    :mod:`pipetrain.plan.cuts`, or the planner's from a quick profile (:mod:`pipetrain.plan.quick`);
    checked against the captured graph (every node in one stage, stages in graph order), and
@@ -17,8 +18,9 @@ schedule's :class:`~pipetrain.schedule.ScheduleSpec` wherever the schedule matte
    boundary step (evaluations, checkpoints, the end: :func:`segment_plan`).
 
 Real data (``--data``) is loaded here first (:func:`resolve_data`): the model options that fit
-it are merged under the user's (``model_options_for``), ``--epochs`` becomes steps, and the
-model is checked against the samples (``check_fits``) before any worker starts. The resolved
+it are merged under the user's (``model_options_for``), the run's length becomes steps
+(:func:`resolve_length`: ``--steps``, ``--epochs``, or until the target, at most
+``--max-epochs``), and the model is checked against the samples (``check_fits``) before any worker starts. The resolved
 run carries the data's description (:class:`~pipetrain.job.data.DataSpec`), not its
 tensors; workers reload it from the seed.
 
@@ -33,9 +35,9 @@ import torch
 
 from ..auto.choose import summary_lines
 from ..errors import DataError, PipetrainError, RuntimeConfigError
-from ..job.config import TrainConfig
+from ..job.config import DEFAULT_MAX_EPOCHS, DEFAULT_STEPS, TrainConfig
 from ..job.data import DataSpec
-from ..job.model import load_bundle
+from ..job.model import load_bundle, load_captured, model_batch_size
 from ..job.parse import parse_config, parse_cut
 from ..job.resolved import ResolvedRun, Segment
 from ..plan.cuts import split_at_cuts, split_by_config
@@ -44,7 +46,7 @@ from ..plan.types import Plan
 log = logging.getLogger(__name__)
 
 __all__ = ["resolve_run", "resolve_with_bundle", "resolve_batch_size", "implied_workers", "ONE_PROCESS_NOTE",
-           "resolve_data", "segment_plan"]
+           "resolve_data", "resolve_length", "segment_plan"]
 
 ONE_PROCESS_NOTE = "one process (plain training with torch.optim)"
 
@@ -58,9 +60,7 @@ def resolve_batch_size(cfg: TrainConfig) -> int:
         from ..models import default_batch_size
 
         return int(default_batch_size(name))
-    from ..models import load_model
-
-    return int(load_model(name, **cfg.model.options).batch_size)
+    return model_batch_size(cfg)
 
 
 def _chunks(cfg: TrainConfig) -> int:
@@ -151,10 +151,10 @@ def _period(cfg: TrainConfig, model_replicas: list[int]) -> int:
 
 def _check_steps_period(cfg: TrainConfig, model_replicas: list[int], source: str) -> None:
     """Steps must be a multiple of ``spec.steps_period`` (pipedream: every replica count);
-    steps from ``--epochs`` are rounded down to one instead (:func:`segment_plan`)."""
+    steps counted from epochs are rounded down to one instead (:func:`_boundaries`)."""
     period = _period(cfg, model_replicas)
-    checks = [(cfg.training.warmup_steps, "--warmup-steps")]
-    if cfg.training.epochs is None:
+    checks: list[tuple[int | None, str]] = [(cfg.training.warmup_steps, "--warmup-steps")]
+    if not _steps_from_epochs(cfg):
         checks.append((cfg.training.steps, "--steps"))
     for flag, every in (("--eval-every", cfg.evaluation.eval_every),
                         ("--checkpoint-every", cfg.checkpoint.checkpoint_every)):
@@ -233,7 +233,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
             "on these hosts and pass --calibration FILE, or name a schedule")
 
     def model_at(samples: int) -> tuple[Any, tuple[Any, ...]]:
-        bundle = _load(cfg, samples)
+        bundle = _load(cfg, samples, weights=True)  # profiled: real weights
         inputs = bundle.make_batch(samples, torch.Generator().manual_seed(cfg.training.seed))[0]
         return capture(bundle.model, bundle.example_inputs), tuple(inputs)
 
@@ -254,9 +254,13 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
             return str(e)
         return None
 
+    from ..profile.cache import MeasurementCache
+
     choice = choose(model_at, batch_size=batch, workers=workers, optimizer=cfg.optimizer.name,
                     momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
-                    calibration=par.calibration, microbatches=par.microbatches, accept=accept)
+                    calibration=par.calibration, microbatches=par.microbatches, accept=accept,
+                    cache=MeasurementCache(enabled=cfg.performance.cache),
+                    cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)})
     best = choice.best
     log.info("%s", "\n".join(summary_lines(choice)))
     return replace(cfg, parallel=replace(par, schedule=best.schedule, microbatches=best.microbatches,
@@ -298,28 +302,73 @@ def _choose_plan(cfg: TrainConfig, captured: Any, bundle: Any, batch: int, worke
                       calibration=par.calibration)
 
 
+def resolve_length(cfg: TrainConfig, steps_per_epoch: int | None) -> TrainConfig:
+    """The run's steps, decided once (``steps_per_epoch``: of real data; ``None``: synthetic):
+
+    - ``--epochs E``: ``E * steps_per_epoch``;
+    - ``--steps N``: N;
+    - neither, with a target on real data: until the target, at most ``--max-epochs M``
+      (default :data:`~pipetrain.job.config.DEFAULT_MAX_EPOCHS`) epochs: ``M * steps_per_epoch``
+      steps, and the configuration records ``max_epochs = M`` (the workers stop together at
+      the first evaluation that meets the target, :class:`pipetrain.metrics.TargetTracker`);
+    - neither: :data:`~pipetrain.job.config.DEFAULT_STEPS`.
+
+    Raises RuntimeConfigError for ``--max-epochs`` with ``--steps`` / ``--epochs`` or without
+    a target.
+    """
+    tr, ev = cfg.training, cfg.evaluation
+    if tr.max_epochs is not None:
+        fixed = "--steps" if tr.steps is not None else "--epochs" if tr.epochs is not None else None
+        if fixed is not None:
+            raise RuntimeConfigError(
+                f"--max-epochs {tr.max_epochs} bounds a run that trains until its target, but {fixed} "
+                f"{tr.steps if tr.steps is not None else tr.epochs} fixes the length; drop --max-epochs or {fixed}")
+        if not ev.has_target:
+            raise RuntimeConfigError(
+                f"--max-epochs {tr.max_epochs} bounds a run that trains until --target-accuracy or --target-loss, "
+                f"and none is given; pass a target, or --epochs {tr.max_epochs} for a fixed length")
+    if steps_per_epoch is not None and tr.epochs is not None:
+        return cfg.replace(steps=tr.epochs * steps_per_epoch)
+    if tr.steps is not None:
+        return cfg
+    if steps_per_epoch is not None and ev.has_target:
+        limit = tr.max_epochs if tr.max_epochs is not None else DEFAULT_MAX_EPOCHS
+        return cfg.replace(steps=limit * steps_per_epoch, max_epochs=limit)
+    return cfg.replace(steps=DEFAULT_STEPS)
+
+
+def _steps_from_epochs(cfg: TrainConfig) -> bool:
+    """Whether the steps were counted from epochs (``--epochs``, or up to ``max_epochs`` until
+    the target): rounded down to the schedule's period rather than refused (:func:`_boundaries`)."""
+    return cfg.training.epochs is not None or cfg.training.max_epochs is not None
+
+
 def resolve_data(cfg: TrainConfig) -> tuple[TrainConfig, Any]:
     """Load ``--data`` (launcher side) and fold what it decides into the configuration.
 
     Returns the configuration with the model options that fit the data (the user's
-    ``--option`` values win) and ``steps = epochs * steps_per_epoch`` when ``--epochs`` is
-    given, and the :class:`~pipetrain.data.DataSource` (``None`` for synthetic data).
+    ``--option`` values win) and the run's steps (:func:`resolve_length`), and the
+    :class:`~pipetrain.data.DataSource` (``None`` for synthetic data).
 
     Raises:
         DataError: the data cannot be loaded (unknown name, missing directory, a factory
             returning the wrong thing) or the model cannot read it.
-        RuntimeConfigError: ``--epochs`` / ``--eval-every`` / a target on synthetic data.
+        RuntimeConfigError: ``--epochs`` / ``--max-epochs`` / ``--eval-every`` /
+            ``--evals-per-epoch`` / a target on synthetic data.
     """
     if cfg.data.synthetic:
         ev = cfg.evaluation
-        for flag, given in (("--epochs", cfg.training.epochs is not None), ("--eval-every", bool(ev.eval_every)),
+        for flag, given in (("--epochs", cfg.training.epochs is not None),
+                            ("--max-epochs", cfg.training.max_epochs is not None),
+                            ("--eval-every", bool(ev.eval_every)),
+                            ("--evals-per-epoch", ev.evals_per_epoch is not None),
                             ("--target-accuracy", ev.target_accuracy is not None),
                             ("--target-loss", ev.target_loss is not None)):
             if given:
                 raise RuntimeConfigError(
                     f"{flag} needs real data with an eval split, but the run trains on synthetic batches; pass "
                     f"--data digits (or fashion-mnist, shakespeare, text:PATH, package.module:function)")
-        return cfg, None
+        return resolve_length(cfg, None), None
     ev = cfg.evaluation
     if ev.eval_every == 0 and ev.has_target:
         flag = "--target-accuracy" if ev.target_accuracy is not None else "--target-loss"
@@ -331,13 +380,14 @@ def resolve_data(cfg: TrainConfig) -> tuple[TrainConfig, Any]:
     source = load_data(d.data, data_dir=d.data_dir, seed=cfg.training.seed, seq_len=d.seq_len)
     options = {**model_options_for(cfg.model.name, source), **dict(cfg.model.options)}
     cfg = cfg.replace(model_options=options)
-    if cfg.training.epochs is not None:
+    spe = None
+    if cfg.training.steps is None or cfg.training.epochs is not None:
         batch = resolve_batch_size(cfg)
         if source.num_train < batch:
             raise DataError(f"the train split of {source.name!r} has {source.num_train} samples, fewer than one "
                             f"minibatch of {batch}; pass --batch-size {source.num_train} or less")
-        cfg = cfg.replace(steps=cfg.training.epochs * (source.num_train // batch))
-    return cfg, source
+        spe = source.num_train // batch
+    return resolve_length(cfg, spe), source
 
 
 def _data_spec(cfg: TrainConfig, source: Any, batch: int, unit_batch: int) -> DataSpec | None:
@@ -356,7 +406,10 @@ def _data_spec(cfg: TrainConfig, source: Any, batch: int, unit_batch: int) -> Da
             f"the pipeline in units of the training microbatch; pass --eval-batch-size "
             f"{max(unit_batch, eb // unit_batch * unit_batch)}")
     d = cfg.data
-    workers = d.loader_workers if d.loader_workers is not None else suggested_workers(source.train)
+    # unset: 0 (load in each reading rank) unless a timing of a few items says workers pay off
+    steps = cfg.training.steps
+    workers = d.loader_workers if d.loader_workers is not None else \
+        suggested_workers(source.train, samples=None if steps is None else steps * batch)
     return DataSpec(name=d.data, data_dir=d.data_dir, seq_len=d.seq_len, seed=cfg.training.seed, task=source.task,
                     target_dtype=source.target_dtype, num_train=source.num_train, num_eval=source.num_eval,
                     steps_per_epoch=source.num_train // batch, eval_batch_size=eb, loader_workers=workers,
@@ -391,16 +444,18 @@ def segment_plan(steps: int, warmup: int, eval_every: int | None, checkpoint_eve
 
 def _boundaries(cfg: TrainConfig, data: DataSpec | None,
                 period: int) -> tuple[TrainConfig, list[tuple[str, int, bool, bool]]]:
-    """Steps rounded to the schedule's period (``--epochs`` only) and the segment plan."""
+    """Steps rounded to the schedule's period (counted from epochs only) and the segment plan."""
     steps = cfg.training.steps
-    if cfg.training.epochs is not None and steps % period:
+    assert steps is not None  # resolve_length decided it
+    if _steps_from_epochs(cfg) and steps % period:
         steps = max(period, steps // period * period)
         cfg = cfg.replace(steps=steps)
     eval_every = cfg.evaluation.eval_every
     if data is None:
         eval_every = None
-    elif eval_every is None:  # every epoch, on a step the schedule can stop at
-        eval_every = max(period, data.steps_per_epoch // period * period)
+    elif eval_every is None:  # evals_per_epoch times an epoch, on steps the schedule can stop at
+        spacing = max(1, round(data.steps_per_epoch / (cfg.evaluation.evals_per_epoch or 1)))
+        eval_every = max(period, spacing // period * period)
     ck = cfg.checkpoint
     every = ck.checkpoint_every if ck.checkpoint_dir is not None else None
     plan = segment_plan(steps, cfg.training.warmup_steps, eval_every or None, every,
@@ -408,18 +463,20 @@ def _boundaries(cfg: TrainConfig, data: DataSpec | None,
     return cfg, plan
 
 
-def _load(cfg: TrainConfig, unit_batch: int) -> Any:
-    """The model bundle, leaving this process's random state as it was."""
-    state = torch.random.get_rng_state()
-    try:
-        return load_bundle(cfg, unit_batch)
-    finally:
-        torch.random.set_rng_state(state)
+def _load(cfg: TrainConfig, unit_batch: int, weights: bool = False) -> Any:
+    """The model bundle (weightless unless ``weights``), leaving this process's random state as it was."""
+    with torch.random.fork_rng(devices=[]):
+        return load_bundle(cfg, unit_batch, weights=weights, warn=True)
+
+
+def _load_captured(cfg: TrainConfig, unit_batch: int, weights: bool = False) -> tuple[Any, Any]:
+    """The model bundle and its capture (weightless unless ``weights``: a quick profile needs them)."""
+    with torch.random.fork_rng(devices=[]):
+        return load_captured(cfg, unit_batch, weights=weights, warn=True)
 
 
 def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[ResolvedRun, Any]:
     """:func:`resolve_run`, also returning the model bundle it built (for cheap checks)."""
-    from ..graph.capture import capture
     from ..stages.partition import partition_graph
     from ..stages.tied import check_ties
 
@@ -431,10 +488,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     batch = resolve_batch_size(cfg)
     auto = None
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
-        from ..graph.capture import capture
-
-        first = _load(cfg, batch)
-        whole = capture(first.model, first.example_inputs)
+        first, whole = _load_captured(cfg, batch)
         _check_layers(cfg, workers, sum(1 for n in whole.graph.nodes if not n.is_input))  # before measuring
         cfg, auto = _auto(cfg, workers, batch, world)
         par, spec = cfg.parallel, cfg.spec
@@ -455,11 +509,13 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     _check_divides(batch, m)
     if replicas is not None:
         _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
-    bundle = _load(cfg, batch // m)
+    # weightless (no parameter storage here) unless the planner profiles (quick plan)
+    bundle, captured = _load_captured(cfg, batch // m, weights=replicas is None and auto is None)
     _check_fits(bundle, source)
-    captured = capture(bundle.model, bundle.example_inputs)
     _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)
+    if replicas is None and auto is None:  # a configuration the user did not name: say what and why, now
+        log.info("plan: %s", note)
     if replicas is None:  # the planner chose the replicas: the default microbatches follow them
         _check_steps_period(cfg, plan.replicas, f"the plan ({plan.config})")
         m2 = _microbatches(cfg, plan.replicas)

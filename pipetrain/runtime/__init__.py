@@ -5,7 +5,8 @@ The runtime decides nothing: it receives a :class:`~pipetrain.job.resolved.Resol
 (one process per rank, gloo on CPU, NCCL on CUDA)::
 
     ResolvedRun -> process setup (process/setup.py)
-           -> model (seeded) -> capture -> cut into the plan's stages (job.model.build_stages)
+           -> model (weightless) -> capture -> cut into the plan's stages -> this rank's tensors
+              materialised (job.model.build_stages)
            -> Executor (engine/executor.py) runs this rank's actions of every segment
                  F/B/I/W  -> StageRuntime (engine/stage_runtime.py): WeightVersions (engine/versions.py),
                              FunctionalOptimizer (engine/optim.py)

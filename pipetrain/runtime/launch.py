@@ -6,7 +6,9 @@ c10d rendezvous on ``127.0.0.1:<free port>``, ``max_restarts`` from ``--max-rest
 each the resolved runs (pickled with the entry point's arguments), and returns rank 0's
 results. A worker's failure surfaces as one :class:`~pipetrain.runtime.process.failures.WorkerFailure`,
 built from the structured :class:`~pipetrain.runtime.process.failures.FailureRecord` the failing rank posted in a
-store this launcher hosts for the run (no error text is parsed).
+store this launcher hosts for the run (no error text is parsed). Ctrl-C (SIGINT) or SIGTERM
+stops every worker and surfaces as :class:`~pipetrain.runtime.process.signals.RunInterrupted`
+(:mod:`pipetrain.runtime.process.signals`).
 
 The library entry point that resolves a configuration first is :func:`pipetrain.run.train`.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
 import socket
 import uuid
 from collections.abc import Iterator, Sequence
@@ -25,6 +28,7 @@ from ..job.resolved import ResolvedRun
 from ..job.result import RunResult
 from .process.failures import FailureBoard, WorkerFailure
 from .process.peers import killed_rank
+from .process.signals import STOP_SIGNALS, RunInterrupted, interrupted_exit
 
 __all__ = ["WorkerFailure", "launch_local", "free_port", "reopen_closed_std_fds"]
 
@@ -38,12 +42,14 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def _quiet_launcher() -> Iterator[None]:
-    """Silence torchelastic's own logging (tracebacks of failed workers, SIGTERM notices):
-    the failure is reported once, as a WorkerFailure."""
+    """Silence torchelastic's own logging (tracebacks of failed workers, SIGTERM notices) and
+    keep this process's signal handlers (the agent replaces those of SIGINT and SIGTERM while
+    it runs): the failure is reported once, as a WorkerFailure or RunInterrupted."""
     names = [n for n in list(logging.root.manager.loggerDict)
              if n.startswith(("torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher"))]
     names += ["torch.distributed.elastic", "torch.multiprocessing", "torch.distributed.launcher"]
     saved = {n: logging.getLogger(n).level for n in names}
+    handlers = {sig: signal.getsignal(sig) for sig in STOP_SIGNALS}
     for n in names:
         logging.getLogger(n).setLevel(logging.CRITICAL + 1)
     try:
@@ -51,6 +57,9 @@ def _quiet_launcher() -> Iterator[None]:
     finally:
         for n, lv in saved.items():
             logging.getLogger(n).setLevel(lv)
+        for sig, handler in handlers.items():
+            if handler is not None:
+                signal.signal(sig, handler)
 
 
 def _failure_text(f: Any) -> str:
@@ -61,6 +70,24 @@ def _failure_text(f: Any) -> str:
         msg = msg.get("message", "")
     text = str(msg or "").strip()
     return text.splitlines()[0] if text else f"exit code {f.exitcode}"
+
+
+def _worker_failure(e: Any, board: FailureBoard) -> BaseException:
+    """The run's failure from torchelastic's ``ChildFailedError`` and the board of the attempt
+    that failed last: a rank killed by a signal (it posts nothing), else the root record,
+    else workers that all exited on a stop signal (:class:`RunInterrupted`), else the
+    first process torchelastic saw fail."""
+    dead = killed_rank(e.failures, board)
+    if dead is not None:
+        return dead
+    root = board.root()
+    if root is not None:
+        return WorkerFailure.of(root)
+    signum = interrupted_exit(int(f.exitcode) for f in e.failures.values())
+    if signum is not None:
+        return RunInterrupted(signum)
+    rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
+    return WorkerFailure(rank, _failure_text(failure))
 
 
 def reopen_closed_std_fds() -> None:
@@ -86,6 +113,7 @@ def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0, max_restar
     checkpoint in ``--checkpoint-dir``, :mod:`pipetrain.runtime.checkpoints.periodic`).
     """
     import torch.distributed as dist
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -109,16 +137,12 @@ def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0, max_restar
     try:
         with _quiet_launcher():
             out = elastic_launch(lc, worker_main)(list(runs), ("127.0.0.1", int(store.port)))
+    except SignalException as e:  # the agent stopped the workers and waited for them
+        raise RunInterrupted(int(e.sigval)) from None
+    except KeyboardInterrupt:  # Ctrl-C before the agent took the signal: it stops the workers on its way out
+        raise RunInterrupted(int(signal.SIGINT)) from None
     except ChildFailedError as e:
-        board = FailureBoard.latest(store, max_restarts + 1, workers)  # the attempt that failed last
-        dead = killed_rank(e.failures, board)  # a rank killed by a signal posts nothing: name it first
-        if dead is not None:
-            raise dead from None
-        root = board.root()
-        if root is not None:
-            raise WorkerFailure.of(root) from None
-        rank, failure = min(e.failures.items(), key=lambda kv: (kv[1].timestamp, kv[0]))
-        raise WorkerFailure(rank, _failure_text(failure)) from None
+        raise _worker_failure(e, FailureBoard.latest(store, max_restarts + 1, workers)) from None
     finally:
         if saved_omp is None:
             os.environ.pop("OMP_NUM_THREADS", None)

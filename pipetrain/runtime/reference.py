@@ -19,13 +19,17 @@ stashed input under ``v_B``, back-propagate the gradient received from downstrea
 as one autograd graph.
 
 :func:`replay_config` replays a resolved multi-worker run; :func:`single_config` trains its
-model the plain way (:func:`~pipetrain.runtime.single.train_single_process`: the whole
-minibatch, one backward, ``torch.optim``), what synchronous schedules must equal.
+model the plain way (:func:`~pipetrain.runtime.single.train_single_process`: the run's
+microbatches of each minibatch, their mean gradient, ``torch.optim``), what synchronous
+schedules must equal. Both draw random numbers as the pipeline does: every unit's random
+nodes from the per-unit stream (:mod:`pipetrain.graph.random_ops`), through the captured graph
+with its random nodes seeded when it has any.
 """
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +38,7 @@ import torch.fx
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from ..graph.random_ops import random_nodes, seeded_module, unit_stream
 from ..job.config import LRSchedule, OptimizerConfig
 from ..job.model import build_stages, load_bundle
 from ..job.resolved import ResolvedRun
@@ -41,6 +46,7 @@ from ..job.segments import stage_step_count
 from ..schedule.action import Op, Schedule
 from .engine.recompute import BufferGuard
 from .engine.units import UnitData
+from .engine.whole_graph import unit_graph
 from .single import SingleResult, make_torch_optimizer, train_single_process
 
 __all__ = ["replay_schedule", "ReplayResult", "StageGraph", "replay_config", "single_config"]
@@ -333,7 +339,8 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
                     segments: Sequence[tuple[Schedule, UnitData]], param_stage: Mapping[str, int],
                     opt: OptimizerConfig, lr_schedule: LRSchedule | None = None, clip: float | None = None,
                     global_clip: bool = False, lr_totals: Mapping[int, int] | None = None,
-                    graph: StageGraph | None = None) -> ReplayResult:
+                    graph: StageGraph | None = None, forward: nn.Module | None = None,
+                    seed: int | None = None) -> ReplayResult:
     """Emulate the schedules' weight-version rule in one process (see the module docstring).
 
     Args:
@@ -348,6 +355,10 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
             steps over all segments).
         graph: the captured graph and its stages; needed only when some B's version differs
             from its F's (pipedream with ``stashing=False``).
+        forward: what a unit's forward runs instead of ``model`` (same parameter names): the
+            captured graph with its random nodes seeded (:mod:`pipetrain.graph.random_ops`).
+        seed: the run's seed: unit ``u`` runs under the per-unit random stream of its global
+            index ``step * m + u % m``, as in the pipeline (``None``: the global generator).
 
     Returns:
         The final weights, each unit's loss (units numbered per segment, offset so that they
@@ -362,18 +373,30 @@ def replay_schedule(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor],
         p = _start_pass(schedule, masters, graph)
         group_of = p.group_of
         for u in p.units:
-            losses[unit_base + u] = _add_unit(model, loss_fn, masters, p, u, data.unit(u), graph, group_of)
+            with _stream(seed, data, u):
+                losses[unit_base + u] = _add_unit(forward if forward is not None else model, loss_fn, masters, p,
+                                                  u, data.unit(u), graph, group_of)
             _apply_complete(masters, p, global_clip)
         unit_base += len(p.units)
     return ReplayResult(masters.final(), losses, masters.steps_done)
 
 
+def _stream(seed: int | None, data: UnitData, u: int) -> AbstractContextManager[None]:
+    """The per-unit random stream of the segment's unit ``u`` (nothing without a seed)."""
+    if seed is None:
+        return nullcontext()
+    return unit_stream(seed, data.step_of(u) * data.m + u % data.m)
+
+
 def replay_config(run: ResolvedRun) -> ReplayResult:
     """Replay a resolved multi-worker run in this process: the same model (seed), plan and
-    schedules the workers execute, through :func:`replay_schedule`."""
+    schedules the workers execute, through :func:`replay_schedule` (the captured graph with
+    its random nodes seeded, when it has any: the pipeline's dropout masks)."""
     cfg = run.config
     staged = build_stages(run)
     bundle, part = staged.bundle, staged.partition
+    gm = staged.captured.gm
+    seeded = seeded_module(gm) if random_nodes(gm) else None
     segments, offset = [], 0
     for seg in run.segments:
         assert seg.schedule is not None, "a one-process run has no schedule to replay"
@@ -382,14 +405,18 @@ def replay_config(run: ResolvedRun) -> ReplayResult:
         offset += seg.steps
     return replay_schedule(bundle.model, bundle.loss_fn, segments, part.param_stage, cfg.optimizer,
                            cfg.training.lr_schedule, cfg.training.clip_grad_norm, global_clip=cfg.synchronous,
-                           graph=StageGraph(staged.captured.gm, part.stage_of))
+                           graph=StageGraph(seeded if seeded is not None else gm, part.stage_of), forward=seeded,
+                           seed=cfg.training.seed)
 
 
 def single_config(run: ResolvedRun) -> SingleResult:
-    """Plain single-process training of a run's model on the same minibatches."""
+    """Plain single-process training of a run's model on the same minibatches, cut into the
+    run's microbatches, with the per-unit random stream: one worker with the same microbatches."""
     cfg = run.config
     bundle = load_bundle(cfg, run.batch_size)
     data = UnitData(bundle.make_batch, run.batch_size, 1, cfg.training.seed, 0)
     total = run.total_steps
+    graph = unit_graph(bundle.model, bundle.example_inputs, run.microbatches)
     return train_single_process(bundle.model, bundle.loss_fn, data, total, cfg.optimizer, cfg.training.lr_schedule,
-                                cfg.training.clip_grad_norm, lr_total=total)
+                                cfg.training.clip_grad_norm, lr_total=total, microbatches=run.microbatches,
+                                seed=cfg.training.seed, graph=graph)

@@ -1,8 +1,13 @@
 """``--workers 1``: plain training in this process (the reference every schedule is held to).
 
 With one worker every schedule reduces to the same thing: one stage, one version, one
-update per minibatch of the whole batch's mean loss. :func:`train_one_process` runs exactly
-that with ``torch.optim`` (no process group, no stage modules) on a one-process
+update per minibatch with the mean gradient of its ``--microbatches`` units (the minibatch
+cut into m equal chunks, each unit's loss back-propagated; m = 1: the whole minibatch), as a
+synchronous schedule computes it. Buffers the forward updates are updated once per unit, in
+unit order; random operations draw from the per-unit stream (:class:`PlainStep`,
+:mod:`pipetrain.graph.random_ops`), so this is the reference of every synchronous schedule
+with the same microbatches. :func:`train_one_process` runs exactly that with ``torch.optim``
+(no process group, no stage modules) on a one-process
 :class:`~pipetrain.job.resolved.ResolvedRun`, segment by segment, on either
 
 - the model's synthetic batches (minibatch ``t`` from the seed ``seed + t``, made before
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -33,6 +39,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import RuntimeConfigError
+from ..graph.random_ops import unit_stream
 from ..job.config import LRSchedule, OptimizerConfig, TrainConfig
 from ..job.model import load_bundle
 from ..job.resolved import ResolvedRun
@@ -45,10 +52,12 @@ from .checkpoints.export import (
     save_checkpoint,
     torch_optimizer_state,
 )
-from .engine.units import UnitData
+from .engine.units import UnitData, split_batch
+from .engine.whole_graph import unit_graph
 from .process.log import progress
 from .process.rss import peak_rss_life_mib, proc_status_mib, reset_peak_rss
 from .process.setup import process_device, setup_process
+from .process.user_code import model_failure
 from .worker.monitor import TrainMonitor
 
 if TYPE_CHECKING:
@@ -70,36 +79,67 @@ def make_torch_optimizer(params: Sequence[Tensor], cfg: OptimizerConfig) -> torc
 
 
 class PlainStep:
-    """One step of plain training: the whole minibatch, one backward, clipping, ``torch.optim``.
+    """One step of plain training: the minibatch's units, their backwards, clipping, ``torch.optim``.
+
+    With ``microbatches`` m > 1 the minibatch is cut into m equal units (chunks along the
+    batch dimension, as a pipeline cuts it); each unit's loss is back-propagated and the
+    summed gradient divided by m, so the step uses the mean gradient and reports the mean
+    loss of its units, exactly as a synchronous schedule does. With a ``seed``, unit ``j`` of
+    step ``k`` runs under the per-unit random stream of unit ``k * m + j``
+    (:mod:`pipetrain.graph.random_ops`).
 
     Args:
-        model, loss_fn: what is trained, and the minibatch's mean loss.
+        model, loss_fn: what is trained, and a unit's mean loss.
         optimizer: the ``torch.optim`` optimizer of ``model``'s trainable parameters.
         base_lr, lr_schedule: the learning rate of step ``k`` is ``lr_schedule.lr(base_lr, k, horizon)``.
         clip: max 2-norm of the gradient over all trainable parameters (``None``: no clipping).
         horizon: the schedule's default horizon (the run's last step).
+        microbatches: units per minibatch.
+        seed: the run's seed, for the per-unit random stream (``None``: the global generator).
+        graph: what the forward runs, when not ``model`` itself: the model's captured graph
+            built as one stage, its random nodes seeded
+            (:func:`~pipetrain.runtime.engine.whole_graph.unit_graph`), sharing the model's
+            parameters and buffers.
     """
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], optimizer: torch.optim.Optimizer,
-                 base_lr: float, lr_schedule: LRSchedule, clip: float | None, horizon: int) -> None:
+                 base_lr: float, lr_schedule: LRSchedule, clip: float | None, horizon: int, microbatches: int = 1,
+                 seed: int | None = None, graph: nn.Module | None = None) -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.base_lr, self.lr_schedule, self.clip = base_lr, lr_schedule, clip
         self.horizon = max(1, horizon)
+        self.microbatches = microbatches
+        self.seed = seed if graph is not None else None  # only a seeded graph draws from the per-unit stream
+        self.forward = graph if graph is not None else model
+
+    def _stream(self, unit: int, inputs: Sequence[Any]) -> AbstractContextManager[None]:
+        if self.seed is None:
+            return nullcontext()
+        return unit_stream(self.seed, unit, [x.device for x in inputs if isinstance(x, Tensor)])
 
     def __call__(self, batch: Batch, k: int) -> float:
         """Train on ``batch`` as optimizer step ``k`` (0-based over the run); returns its loss."""
-        inputs, target = batch
+        m = self.microbatches
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(self.model(*inputs), target)
-        loss.backward()
+        units = split_batch((tuple(batch[0]), batch[1]), m) if m > 1 else [batch]
+        total = 0.0
+        for j, (inputs, target) in enumerate(units):
+            with self._stream(k * m + j, inputs):
+                loss = self.loss_fn(self.forward(*inputs), target)
+            loss.backward()
+            total += float(loss.detach())
+        if m > 1:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.div_(m)
         if self.clip is not None:
             torch.nn.utils.clip_grad_norm_(self.params, self.clip)
         lr = self.lr_schedule.lr(self.base_lr, k, self.horizon)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.step()
-        return float(loss.detach())
+        return total / m
 
 
 class _Units(Protocol):
@@ -110,12 +150,23 @@ class _Units(Protocol):
 
 
 def _run_steps(step: PlainStep, units: _Units, first: int, count: int,
-              on_step: Callable[[int, float], None] | None = None) -> list[float]:
+              on_step: Callable[[int, float], None] | None = None,
+              example_inputs: Sequence[Any] | None = None) -> list[float]:
     """Steps ``first .. first + count - 1`` on ``units.unit(0 .. count - 1)``: their losses.
-    ``on_step(steps done, loss)`` after each (1-based, absolute)."""
+    ``on_step(steps done, loss)`` after each (1-based, absolute). With the model's
+    ``example_inputs``, an exception of the model's own code names its step and node
+    (:func:`~pipetrain.runtime.process.user_code.model_failure`)."""
     losses: list[float] = []
     for i in range(count):
-        value = step(units.unit(i), first + i)
+        batch = units.unit(i)
+        try:
+            value = step(batch, first + i)
+        except Exception as e:
+            found = None if example_inputs is None else model_failure(e, step.model, step.loss_fn, example_inputs,
+                                                                       batch, first + i, i)
+            if found is None:
+                raise
+            raise found from e
         losses.append(value)
         if on_step is not None:
             on_step(first + i + 1, value)
@@ -135,8 +186,10 @@ class SingleResult:
 def train_single_process(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], data: UnitData, steps: int,
                          opt: OptimizerConfig, lr_schedule: LRSchedule | None = None, clip: float | None = None,
                          optimizer: torch.optim.Optimizer | None = None, start_step: int = 0,
-                         lr_total: int | None = None, warmup_steps: int = 0) -> SingleResult:
-    """Plain training: per step the whole minibatch, one backward, ``torch.optim``.
+                         lr_total: int | None = None, warmup_steps: int = 0, microbatches: int = 1,
+                         seed: int | None = None, graph: nn.Module | None = None) -> SingleResult:
+    """Plain training: per step the minibatch's ``microbatches`` units, their backwards, the
+    mean gradient, ``torch.optim`` (:class:`PlainStep`, whose ``seed`` and ``graph`` these are).
 
     ``data`` must have ``units_per_step == 1`` (whole minibatches). ``start_step`` is the
     number of steps done before (resumed runs: the LR schedule continues from there).
@@ -145,7 +198,8 @@ def train_single_process(model: nn.Module, loss_fn: Callable[[Any, Any], Tensor]
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer or make_torch_optimizer(params, opt)
     horizon = lr_total if lr_total is not None else start_step + steps
-    step = PlainStep(model, loss_fn, optimizer, opt.lr, lr_schedule or LRSchedule(), clip, horizon)
+    step = PlainStep(model, loss_fn, optimizer, opt.lr, lr_schedule or LRSchedule(), clip, horizon,
+                     microbatches=microbatches, seed=seed, graph=graph)
     untimed = warmup_steps if warmup_steps < steps else 0
     model.train()
     losses = _run_steps(step, data, start_step, untimed)
@@ -213,6 +267,7 @@ class _Trainee:
     open_segment: _OpenSegment
     evaluate: _Evaluate | None = None        # real data: the eval split at the run's boundaries
     start: int = 0                           # steps done before (--resume)
+    example_inputs: tuple[Any, ...] = ()     # the model's example batch (names the node of a failure)
 
 
 @dataclass
@@ -264,13 +319,13 @@ def _trainee(run: ResolvedRun, device: torch.device) -> _Trainee:
     data = UnitData(bundle.make_batch, run.batch_size, 1, cfg.training.seed, start, device)
     data.prefetch(run.total_steps)  # data generation stays out of the timed window
     return _Trainee(model, bundle.loss_fn, names, optimizer, lambda first, _: _Shifted(data, first - start),
-                    start=start)
+                    start=start, example_inputs=tuple(bundle.example_inputs))
 
 
 def _on_data(run: ResolvedRun, bundle: Any, model: nn.Module, names: list[str], device: torch.device) -> _Trainee:
     """Real data (``--data``): the pipeline's minibatches, the data's loss unless the model
     brings its own, and the evaluation of the whole eval split."""
-    from ..data import EpochSampler, UnitLoader, loss_for
+    from ..data import EpochSampler, UnitLoader, UnitWorkers, loss_for
 
     cfg, spec = run.config, run.data
     assert spec is not None
@@ -280,15 +335,19 @@ def _on_data(run: ResolvedRun, bundle: Any, model: nn.Module, names: list[str], 
     optimizer = make_torch_optimizer([p for p in model.parameters() if p.requires_grad], cfg.optimizer)
     sampler = EpochSampler(source.num_train, run.batch_size, seed=spec.seed)
 
+    # background workers (--loader-workers): started once, every segment's loader reads from them
+    workers = UnitWorkers(source.train, sampler, 1, "both", spec.loader_workers) if spec.loader_workers else None
+
     def open_segment(first: int, steps: int) -> _SegmentUnits:
-        return UnitLoader(source.train, sampler, 1, range(steps), part="both", step_offset=first,
-                          num_workers=spec.loader_workers, device=device)
+        return UnitLoader(source.train, sampler, 1, range(steps), part="both", step_offset=first, device=device,
+                          workers=workers)
 
     def evaluate(step: int, seconds: float) -> Any:
         acc = evaluate_model(model, source.eval, spec.eval_batch_size, spec.task, loss_fn if own else None, device)
         return acc.result(step, step / spec.steps_per_epoch, step * run.batch_size, seconds)
 
-    return _Trainee(model, loss_fn, names, optimizer, open_segment, evaluate)
+    return _Trainee(model, loss_fn, names, optimizer, open_segment, evaluate,
+                    example_inputs=tuple(bundle.example_inputs))
 
 
 def _resume(cfg: TrainConfig, model: nn.Module, names: list[str], optimizer: torch.optim.Optimizer) -> int:
@@ -308,7 +367,8 @@ def _train_segments(run: ResolvedRun, trainee: _Trainee, monitor: TrainMonitor) 
     a segment marked ``evaluate`` the model is evaluated, and the run stops at its target."""
     cfg = run.config
     step = PlainStep(trainee.model, trainee.loss_fn, trainee.optimizer, cfg.optimizer.lr, cfg.training.lr_schedule,
-                     cfg.training.clip_grad_norm, trainee.start + run.total_steps)
+                     cfg.training.clip_grad_norm, trainee.start + run.total_steps, microbatches=run.microbatches,
+                     seed=cfg.training.seed, graph=unit_graph(trainee.model, trainee.example_inputs, run.microbatches))
     every = 0 if cfg.output.quiet else cfg.output.log_every
 
     def on_step(done: int, loss: float) -> None:
@@ -323,7 +383,7 @@ def _train_segments(run: ResolvedRun, trainee: _Trainee, monitor: TrainMonitor) 
         units = trainee.open_segment(out.step, seg.steps)
         if seg.timed:
             monitor.clock.start() if out.timed == 0 else monitor.clock.resume()
-        losses = _run_steps(step, units, out.step, seg.steps, on_step)
+        losses = _run_steps(step, units, out.step, seg.steps, on_step, trainee.example_inputs)
         units.close()
         if seg.timed:
             monitor.clock.pause()
@@ -347,7 +407,7 @@ def _result(run: ResolvedRun, trained: _Trained, seconds: float, device: torch.d
     return RunResult(
         steps=steps, samples_per_second=b * steps / seconds if seconds > 0 else 0.0,
         final_loss=losses[-1] if losses else None, losses=losses, config="1", schedule=cfg.parallel.schedule,
-        workers=1, batch_size=b, microbatches=1, seconds=seconds, warmup_steps=cfg.training.warmup_steps,
+        workers=1, batch_size=b, microbatches=run.microbatches, seconds=seconds, warmup_steps=cfg.training.warmup_steps,
         warmup_losses=trained.warmup_losses, start_step=start, plan_source=run.plan_note, stages=1,
         device=str(device), peak_rss_mib=[peak or peak_rss_life_mib()],
         peak_rss_scope="training" if peak_reset else "process", rss_setup_mib=[rss_setup],

@@ -32,7 +32,7 @@ from __future__ import annotations
 import copy
 import functools
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,24 +40,45 @@ import torch
 import torch.fx
 
 from ..errors import RuntimeConfigError
-from ..graph.capture import CapturedModel, is_inplace_node, preserved_state
+from ..graph.capture import BufferUpdate, CapturedModel, buffer_updates, inplace_writers, preserved_state
+from ..graph.random_ops import draw_from_stream, insert_seeding, is_random_node
 from .boundary import BoundaryCodec, ValueCodec
 from .tied import TiedParameter
 
-__all__ = ["Partition", "StageModule", "partition_graph", "build_stage_modules", "boundary_codecs"]
+__all__ = ["Partition", "StageModule", "StateBuffer", "partition_graph", "build_stage_modules", "boundary_codecs",
+           "whole_graph_stage"]
 
 _VALUE_OPS = ("placeholder", "call_module", "call_function", "call_method")
-# Ops whose result may alias their first argument: an in-place op on such a result mutates
-# the argument too (used to find received tensors that a stage mutates).
-_VIEW_OPS = {
-    "view", "view_as", "reshape", "flatten", "unflatten", "transpose", "permute", "unsqueeze",
-    "squeeze", "expand", "expand_as", "narrow", "select", "t", "getitem", "chunk", "split",
-    "unbind", "as_strided", "slice", "alias", "movedim", "swapaxes", "diagonal", "contiguous",
-    "detach", "view_as_real", "view_as_complex", "_unsafe_view", "split_with_sizes",
-}
 
 
 # --------------------------------------------------------------------------- partition
+
+
+@dataclass(frozen=True)
+class StateBuffer:
+    """A buffer the forward updates (a running statistic, a counter): state of one stage.
+
+    The stage that reads it first holds it and runs every update of it, so its forward of
+    each unit sees the updates of the units before it, in unit order, as one worker's forward
+    does; it is saved with that stage's weights. Every other reader of its memory (later
+    stages across the cuts too) reads a copy taken where it reads it.
+
+    Attributes:
+        name: its qualified name in the model.
+        stage: the stage holding it.
+        reads: the ``get_attr`` nodes of it.
+        writers: the nodes updating it (all on ``stage``).
+        write_path: the nodes that take the buffer itself (its writers and the views they
+            write through); ``aliases``: the nodes whose value may be its memory
+            (:class:`~pipetrain.graph.capture.BufferUpdate`).
+    """
+
+    name: str
+    stage: int
+    reads: tuple[str, ...]
+    writers: tuple[str, ...]
+    write_path: tuple[str, ...] = ()
+    aliases: tuple[str, ...] = ()
 
 
 @dataclass
@@ -65,7 +86,8 @@ class Partition:
     """Nodes of the captured graph assigned to stages, and what crosses each cut.
 
     Attributes:
-        stage_of: value node name -> stage (placeholders always on stage 0).
+        stage_of: value node name -> stage (placeholders always on stage 0; the ``get_attr``
+            nodes of a :class:`StateBuffer` on its stage).
         stage_nodes: per stage, its value nodes in graph order.
         boundaries: ``boundaries[c]`` are the values crossing cut ``c`` (stage ``c`` -> ``c+1``),
             in graph order (relay included).
@@ -74,6 +96,7 @@ class Partition:
             owning it (the first stage that reads it).
         tied: tensors held under several names or read by several stages, in the order of
             their first reader (the same on every rank).
+        state: the buffers the forward updates, each held by one stage.
     """
 
     stage_of: dict[str, int]
@@ -82,6 +105,7 @@ class Partition:
     attr_stages: dict[str, list[int]]
     param_stage: dict[str, int] = field(default_factory=dict)
     tied: list[TiedParameter] = field(default_factory=list)
+    state: list[StateBuffer] = field(default_factory=list)
 
     @property
     def num_stages(self) -> int:
@@ -92,17 +116,8 @@ def _value_nodes(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     return [n for n in gm.graph.nodes if n.op in _VALUE_OPS]
 
 
-def partition_graph(gm: torch.fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> Partition:
-    """Assign ``gm``'s nodes to stages and compute the relay boundaries.
-
-    Raises:
-        RuntimeConfigError: a name the graph lacks, a node in two stages or in none, or a node
-            placed before one of its inputs.
-    """
-    S = len(stage_nodes)
-    if S < 1:
-        raise RuntimeConfigError("a plan needs at least one stage")
-    values = _value_nodes(gm)
+def _assign(values: Sequence[torch.fx.Node], stage_nodes: Sequence[Sequence[str]]) -> dict[str, int]:
+    """Value node name -> the plan's stage for it (placeholders: stage 0)."""
     by_name = {n.name: n for n in values}
     stage_of: dict[str, int] = {}
     for k, names in enumerate(stage_nodes):
@@ -125,7 +140,11 @@ def partition_graph(gm: torch.fx.GraphModule, stage_nodes: Sequence[Sequence[str
         raise RuntimeConfigError(
             f"the plan places no stage for {len(missing)} node(s) of the model (first: {missing[0]!r}); "
             f"the plan was made for another model or other options: re-run `pipetrain plan`")
-    # Producers must not come after consumers.
+    return stage_of
+
+
+def _check_order(values: Sequence[torch.fx.Node], stage_of: dict[str, int]) -> None:
+    """Producers must not come after consumers."""
     for n in values:
         for src in n.all_input_nodes:
             if src.op in _VALUE_OPS and stage_of[src.name] > stage_of[n.name]:
@@ -133,21 +152,76 @@ def partition_graph(gm: torch.fx.GraphModule, stage_nodes: Sequence[Sequence[str
                     f"node {n.name!r} (stage {stage_of[n.name]}) reads {src.name!r} from the later stage "
                     f"{stage_of[src.name]}; stages must be contiguous in the graph's order: move {src.name!r} "
                     f"to stage {stage_of[n.name]} or earlier")
+
+
+def _user_stage(u: torch.fx.Node, stage_of: dict[str, int], last: int) -> int:
+    return last if u.op == "output" else stage_of[u.name]
+
+
+def _state_buffer(update: BufferUpdate, stage_of: dict[str, int], last: int) -> StateBuffer:
+    """Where an updated buffer lives: the stage of its first reader. A write-back (``copy_``
+    with no users, export's form of ``self.x = ...``) on a later stage moves to that stage
+    when the new value is computed there already (``stage_of`` is updated); any other
+    write on another stage cannot keep one worker's order of updates.
+
+    Raises:
+        RuntimeConfigError: the buffer is written on a later stage than it is first read.
+    """
+    users = [u for a in update.reads for u in a.users]
+    first = min(users, key=lambda u: _user_stage(u, stage_of, last))
+    owner = _user_stage(first, stage_of, last)
+    for w in update.writers:
+        if stage_of[w.name] == owner:
+            continue
+        sources = [a for a in w.all_input_nodes if a.op != "get_attr"]
+        movable = not w.users and w.args[0] in update.reads and all(stage_of[a.name] <= owner for a in sources)
+        if not movable:
+            raise RuntimeConfigError(
+                f"buffer {update.name!r} is read on stage {owner} (node {first.name!r}) and updated on stage "
+                f"{stage_of[w.name]} (node {w.name!r}); a buffer the forward updates belongs to one stage, whose "
+                f"forward of each unit must see the updates of the units before it: choose cuts (--cut, or the "
+                f"plan's node lists) that keep nodes {first.name!r} to {w.name!r} in one stage")
+        stage_of[w.name] = owner
+    return StateBuffer(update.name, owner, tuple(a.name for a in update.reads), tuple(w.name for w in update.writers),
+                       tuple(sorted(n.name for n in update.write_path)), tuple(sorted(n.name for n in update.aliases)))
+
+
+def partition_graph(gm: torch.fx.GraphModule, stage_nodes: Sequence[Sequence[str]]) -> Partition:
+    """Assign ``gm``'s nodes to stages and compute the relay boundaries.
+
+    Raises:
+        RuntimeConfigError: a name the graph lacks, a node in two stages or in none, a node
+            placed before one of its inputs, or a buffer the forward updates on a later stage
+            than it reads it.
+    """
+    S = len(stage_nodes)
+    if S < 1:
+        raise RuntimeConfigError("a plan needs at least one stage")
+    values = _value_nodes(gm)
+    stage_of = _assign(values, stage_nodes)
+    _check_order(values, stage_of)
     last = S - 1
+    state = [_state_buffer(u, stage_of, last) for u in buffer_updates(gm)]
+    by_name = {n.name: n for n in gm.graph.nodes}
+    stateful = [by_name[r] for b in state for r in b.reads]
+    for b in state:  # a state buffer is read where it lives; later stages receive the value
+        stage_of.update({r: b.stage for r in b.reads})
     boundaries: list[list[str]] = [[] for _ in range(max(0, S - 1))]
-    for n in values:
+    crossing = set(values) | set(stateful)
+    for n in gm.graph.nodes:
+        if n not in crossing:
+            continue
         p = stage_of[n.name]
-        readers = [last if u.op == "output" else stage_of.get(u.name, p) for u in n.users]
-        far = max(readers, default=p)
+        far = max((_user_stage(u, stage_of, last) for u in n.users), default=p)
         for c in range(p, far):
             boundaries[c].append(n.name)
     attr_stages: dict[str, list[int]] = {}
     for n in gm.graph.nodes:
         if n.op == "get_attr":
-            st = sorted({last if u.op == "output" else stage_of[u.name] for u in n.users})
-            attr_stages[n.name] = st
+            attr_stages[n.name] = ([stage_of[n.name]] if n in stateful
+                                   else sorted({_user_stage(u, stage_of, last) for u in n.users}))
     part = Partition(stage_of, [[n.name for n in values if stage_of[n.name] == k] for k in range(S)],
-                     boundaries, attr_stages)
+                     boundaries, attr_stages, state=state)
     part.param_stage, part.tied = _owned_parameters(gm, part)
     return part
 
@@ -245,6 +319,7 @@ class StageModule:
     ties: tuple[TiedParameter, ...] = ()       # every tie of the partition (the same on every rank)
     tie_names: dict[str, str] = field(default_factory=dict)     # tie.names[0] -> this stage's name of it
     aliases: dict[str, tuple[str, ...]] = field(default_factory=dict)  # a held name -> its other model names
+    random_nodes: tuple[str, ...] = ()  # its nodes that draw from the per-unit random stream (graph/random_ops.py)
 
     @property
     def is_first(self) -> bool:
@@ -265,33 +340,36 @@ class StageModule:
 
 def _mutated_placeholders(graph: torch.fx.Graph, gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
     """Placeholders that an in-place op mutates, directly or through a view."""
-    def op_name(n: torch.fx.Node) -> str:
-        t = n.target
-        if isinstance(t, str):
-            return t.rsplit(".", 1)[-1]
-        if isinstance(t, torch._ops.OpOverload):
-            return t._schema.name.split("::")[-1]
-        return getattr(t, "__name__", "")
+    return [ph for ph in graph.nodes if ph.op == "placeholder" and inplace_writers(ph, gm)]
 
-    out = []
-    for ph in graph.nodes:
-        if ph.op != "placeholder":
+
+def _copy_stage_nodes(g: torch.fx.Graph, gm: torch.fx.GraphModule, part: Partition, k: int,
+                      env: dict[torch.fx.Node, torch.fx.Node]) -> dict[torch.fx.Node, torch.fx.Node]:
+    """Copy stage ``k``'s nodes of ``gm`` into ``g`` in graph order (``env``: original node ->
+    copy, filled in; ``get_attr`` nodes go with their readers). A node reading a state
+    buffer's memory that is not one of its writers (or a view they write through) reads a
+    copy taken where the value is read, and so does a later stage: autograd may save what it
+    read, and the stage's later writes (its write-back, the next unit's update) would change
+    it. Returns those copies (original node -> copy)."""
+    aliases = {a for b in part.state for a in b.aliases}
+    takes_buffer = {w for b in part.state for w in b.write_path}
+    copies: dict[torch.fx.Node, torch.fx.Node] = {}
+
+    def read(user: torch.fx.Node) -> Callable[[torch.fx.Node], torch.fx.Node]:
+        if user.name in takes_buffer:
+            return lambda a: env[a]
+        return lambda a: copies.get(a, env[a])
+
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and k in part.attr_stages[n.name]:
+            env[n] = g.node_copy(n)
+        elif n.op in ("call_module", "call_function", "call_method") and part.stage_of[n.name] == k:
+            env[n] = g.node_copy(n, read(n))
+        else:
             continue
-        frontier, seen, mutated = [ph], {ph}, False
-        while frontier and not mutated:
-            v = frontier.pop()
-            for u in v.users:
-                if u.op == "output":
-                    continue
-                if u.args and u.args[0] is v and is_inplace_node(u, gm):
-                    mutated = True
-                    break
-                if (op_name(u) in _VIEW_OPS or u.target is operator.getitem) and u not in seen:
-                    seen.add(u)
-                    frontier.append(u)
-        if mutated:
-            out.append(ph)
-    return out
+        if n.name in aliases and any(u.name not in takes_buffer for u in n.users):
+            copies[n] = g.call_method("clone", (env[n],))
+    return copies
 
 
 def _build_graph(gm: torch.fx.GraphModule, part: Partition, k: int) -> torch.fx.Graph:
@@ -307,17 +385,12 @@ def _build_graph(gm: torch.fx.GraphModule, part: Partition, k: int) -> torch.fx.
     else:
         for name in part.boundaries[k - 1]:
             env[by_name[name]] = g.placeholder(name)
-    for n in nodes:
-        if n.op == "get_attr":
-            if k in part.attr_stages[n.name]:
-                env[n] = g.node_copy(n)
-        elif n.op in ("call_module", "call_function", "call_method") and part.stage_of[n.name] == k:
-            env[n] = g.node_copy(n, lambda a: env[a])
+    copies = _copy_stage_nodes(g, gm, part, k, env)
     if k < S - 1:
-        g.output(tuple(env[by_name[name]] for name in part.boundaries[k]))
+        g.output(tuple(copies.get(by_name[name], env[by_name[name]]) for name in part.boundaries[k]))
     else:
         out = next(n for n in nodes if n.op == "output")
-        g.output(torch.fx.node.map_arg(out.args[0], lambda a: env[a]))
+        g.output(torch.fx.node.map_arg(out.args[0], lambda a: copies.get(a, env[a])))
     # A stage must not mutate the tensors it receives (they are receive buffers, may be
     # relayed on, and are leaves that require grad): clone those an in-place op writes.
     for ph in _mutated_placeholders(g, gm):
@@ -325,6 +398,10 @@ def _build_graph(gm: torch.fx.GraphModule, part: Partition, k: int) -> torch.fx.
             c = g.call_method("clone", (ph,))
         # Every use but the clone itself now reads the clone (``c is not u``).
         ph.replace_all_uses_with(c, delete_user_cb=functools.partial(operator.is_not, c))
+    # Random nodes draw from the per-unit stream, keyed by their name in the captured graph
+    # (graph/random_ops.py): the same masks on every layout.
+    insert_seeding(g, gm, {env[n]: n.name for n in nodes if n in env and n.op != "get_attr"
+                           and part.stage_of.get(n.name) == k and is_random_node(n, gm)})
     g.lint()
     return g
 
@@ -364,7 +441,8 @@ def build_stage_modules(captured: CapturedModel, part: Partition, codecs: Sequen
             out_codec=codecs[k] if k < S - 1 else None,
             param_names=params, buffer_names=buffers,
             out_spec=out_spec if k == S - 1 else None,
-            ties=tuple(part.tied), tie_names=tie_names, aliases=aliases)
+            ties=tuple(part.tied), tie_names=tie_names, aliases=aliases,
+            random_nodes=tuple(str(n.args[0]) for n in graph.nodes if n.target is draw_from_stream))
     return result
 
 
@@ -390,3 +468,12 @@ def _own_copy(mod: torch.fx.GraphModule, gm: torch.fx.GraphModule, original: tor
             assert child is not None
             cur, src = child, src_child
         cur._parameters[leaf] = clone
+
+
+def whole_graph_stage(captured: CapturedModel) -> StageModule:
+    """The whole captured graph as one stage, built as every stage is: its random nodes draw
+    from the per-unit stream and state buffers are read through copies. What one worker runs
+    when the model draws random numbers (:mod:`pipetrain.runtime.single`); it shares the
+    model's parameters and buffers."""
+    part = partition_graph(captured.gm, [[n.name for n in _value_nodes(captured.gm)]])
+    return build_stage_modules(captured, part, [], [0])[0]

@@ -1,13 +1,29 @@
 """Sampling for pipelines: epochs reshuffle, units partition minibatches, replicas read disjoint
-shards, loaders give each rank only its part and do not depend on num_workers; eval batches."""
+shards, loaders give each rank only its part and do not depend on num_workers; background
+workers only where they pay off, kept across segments; the seconds a loader blocks; eval batches."""
 from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass
 
 import pytest
 import torch
-from torch.utils.data import TensorDataset
+from torch.utils.data import Dataset, TensorDataset
 
-from pipetrain.data import ArrayDataset, EpochSampler, EvalBatches, UnitLoader, correct_count, loss_sum
-from pipetrain.data.loader import gather, suggested_workers
+from pipetrain.data import (
+    ArrayDataset,
+    EpochSampler,
+    EvalBatches,
+    UnitLoader,
+    UnitWorkers,
+    WaitMeter,
+    correct_count,
+    kept_workers,
+    loss_sum,
+)
+from pipetrain.data.loader import SLOW_ITEM_S, WORKER_START_S, gather, item_seconds, suggested_workers
 from pipetrain.errors import DataError
 
 torch.set_num_threads(1)
@@ -119,9 +135,149 @@ def test_generic_datasets_stack_items_like_array_datasets() -> None:
     assert torch.equal(a[0][0], b[0][0]) and torch.equal(a[1], b[1])
 
 
+class Slow(Dataset):  # type: ignore[type-arg]
+    """``n`` samples, each taking ``delay`` seconds to load (a file read, a decode)."""
+
+    def __init__(self, n: int, delay: float) -> None:
+        self.n, self.delay, self.calls = n, delay, 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        time.sleep(self.delay)
+        return torch.tensor([float(i), -float(i)]), torch.tensor(i)
+
+
+class Pids(Dataset):  # type: ignore[type-arg]
+    """Sample i is ([i, pid of the process that loaded it], i): who gathered a unit is visible."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tensor([float(i), float(os.getpid())]), torch.tensor(i)
+
+
+@dataclass
+class Owner:
+    """What keeps background workers (a run's DataSource, here a stand-in that equals by value)."""
+
+    name: str
+
+
+def in_memory() -> tuple[TensorDataset, TensorDataset]:
+    """A user factory (--data test_data_loader:in_memory): 48 + 16 samples of 5 features, 3 classes."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(64, 5, generator=g), torch.arange(64) % 3
+    return TensorDataset(x[:48], y[:48]), TensorDataset(x[48:], y[48:])
+
+
+def slow_items() -> tuple[Slow, Slow]:
+    """A user factory whose items take 5 ms each."""
+    return Slow(48, 0.005), Slow(16, 0.005)
+
+
 def test_suggested_workers() -> None:
-    assert suggested_workers(dataset()) == 0
-    assert suggested_workers(TensorDataset(torch.zeros(3))) == 2
+    """In-memory data loads in the calling process; background workers only for slow items in
+    a run that reads enough of them to repay starting the workers."""
+    assert suggested_workers(dataset()) == 0                                  # take(): one indexing op
+    assert suggested_workers(TensorDataset(torch.zeros(300, 3), torch.zeros(300))) == 0
+    slow = Slow(300, 3 * SLOW_ITEM_S)
+    assert suggested_workers(slow) == 2
+    assert suggested_workers(slow, samples=int(2 * WORKER_START_S / slow.delay)) == 2
+    assert suggested_workers(slow, samples=100) == 0                         # 0.3 s of loading: not worth it
+    assert item_seconds(slow) >= slow.delay
+    very = Slow(300, 0.2)
+    item_seconds(very, probe=8, budget_s=0.5)
+    assert very.calls == 3                                                    # stops past the budget
+
+
+def test_the_run_decides_the_workers_once() -> None:
+    """The resolved run carries the decision: 0 for an in-memory TensorDataset by default, the
+    user's --loader-workers when given, 2 for slow items over a long run."""
+    from pipetrain.job import TrainConfig
+    from pipetrain.run import resolve_run
+
+    def workers(data: str, **kw: object) -> int:
+        cfg = TrainConfig.of(model="mlp", model_options={"depth": 2, "width": 8}, data=data, batch_size=8,
+                             workers=1, quiet=True, **kw)
+        run = resolve_run(cfg)
+        assert run.data is not None
+        return run.data.loader_workers
+
+    assert workers("test_data_loader:in_memory", steps=4) == 0
+    assert workers("test_data_loader:in_memory", steps=4, loader_workers=2) == 2
+    assert workers("test_data_loader:slow_items", steps=4) == 0               # 32 items: 0.16 s here
+    assert workers("test_data_loader:slow_items", steps=1000) == 2           # 8000 items: 40 s here
+
+
+def test_kept_workers_serve_every_segment() -> None:
+    """--loader-workers 2: the same two processes gather the units of every segment (persistent
+    workers, started once), results equal the in-process ones, and the workers stop when their
+    owner goes."""
+    ds, s = Pids(), EpochSampler(N, B, seed=4)
+    owner = Owner("run")                                                      # unhashable: held by identity
+    pool = kept_workers(owner, ds, s, 2, "both", 2)
+    assert pool is not None and kept_workers(owner, ds, s, 2, "both", 2) is pool
+    assert kept_workers(owner, ds, s, 2, "both", 0) is None
+    pids: list[set[int]] = []
+    for offset in (0, 8, 16):                                                 # three segments (epochs) of 8 steps
+        loader = UnitLoader(ds, s, 2, range(16), step_offset=offset, workers=pool)
+        assert loader.num_workers == 2
+        assert loader.prefetch(8) == 8
+        got = [loader.unit(u) for u in range(16)]
+        for u, (inputs, target) in enumerate(got):
+            idx = s.indices_of_unit(u, 2, offset)
+            assert torch.equal(target, idx) and torch.equal(inputs[0][:, 0].long(), idx)
+        pids.append({int(p) for _, (inputs, _) in enumerate(got) for p in inputs[0][:, 1].tolist()})
+        loader.close()                                                        # leaves the kept workers running
+    assert len(pids[0]) == 2 and pids[1] == pids[2] == pids[0] and os.getpid() not in pids[0]
+    other = kept_workers(owner, ds, s, 2, "targets", 2)                       # another part: new workers
+    assert other is not None and other is not pool
+    with pytest.raises(DataError, match=r"the background workers given serve another dataset"):
+        UnitLoader(ds, s, 2, range(4), part="both", workers=other)
+    del pool, other, loader, owner
+    gc.collect()
+    for pid in pids[0]:
+        with pytest.raises(ProcessLookupError):                               # stopped and reaped
+            os.kill(pid, 0)
+
+
+def test_a_superseded_stream_loads_its_units_itself() -> None:
+    ds, s = dataset(), EpochSampler(N, B, seed=2)
+    pool = UnitWorkers(ds, s, 1, "targets", 1)
+    try:
+        old = UnitLoader(ds, s, 1, range(6), part="targets", workers=pool)
+        assert torch.equal(old.unit(0)[1], ds.target[s.minibatch(0)])
+        new = UnitLoader(ds, s, 1, range(6), part="targets", step_offset=6, workers=pool)
+        assert torch.equal(new.unit(0)[1], ds.target[s.minibatch(6)])      # the stream is new's now
+        assert all(torch.equal(old.unit(u)[1], ds.target[s.minibatch(u)]) for u in range(1, 6))
+    finally:
+        pool.close()
+    with pytest.raises(DataError, match=r"these background workers were closed"):
+        pool.stream(range(2), 0)
+    with pytest.raises(DataError, match=r"UnitWorkers needs num_workers >= 1, got 0"):
+        UnitWorkers(ds, s, 1, "targets", 0)
+
+
+def test_loaders_count_the_seconds_they_block() -> None:
+    """Every unit not yet cached and every prefetch add the time they took to the meter; a
+    cached unit adds nothing."""
+    ds, s = Slow(N, 0.002), EpochSampler(N, B, seed=0)
+    meter = WaitMeter()
+    loader = UnitLoader(ds, s, 3, range(9), meter=meter)                      # 4 samples per unit
+    loader.unit(0)
+    loader.unit(1)
+    assert meter.seconds == loader.waited >= 2 * 4 * 0.002
+    before = meter.seconds
+    loader.unit(1)                                                            # cached
+    assert meter.seconds == before
+    t0 = time.perf_counter()
+    loader.prefetch(3)
+    spent = time.perf_counter() - t0
+    assert 7 * 4 * 0.002 <= meter.seconds - before <= spent and meter.seconds == loader.waited
 
 
 def test_prefetch_and_step_of() -> None:

@@ -2,6 +2,7 @@
 non-differentiable nodes, optimizer state factors, side effects, HF GPT-2, and the table."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -219,3 +220,66 @@ def test_table_of_a_pipedream_txt_profile(tmp_path) -> None:
 def test_table_of_empty_profile() -> None:
     text = format_profile_table(Profile(model="x", batch_size=None, nodes=[]))
     assert "total: 0 nodes" in text
+
+
+# --------------------------------------------------------------------------- profiles that add up
+
+#: The profile's total against the model's own step (pipetrain.profile.step_check's tolerance).
+ADDS_UP = 0.15
+
+
+def own_step(model: nn.Module, inputs: tuple[Any, ...], runs: int = 10) -> float:
+    """The model's own forward + backward (eager, from a random output gradient): robust
+    seconds of ``runs`` after two warm-up runs."""
+    from pipetrain.profile.timing import robust_seconds
+
+    times = []
+    for i in range(runs + 2):
+        t0 = time.perf_counter()
+        out = model(*inputs)
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(leaves, [torch.randn_like(t) for t in leaves])
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    return robust_seconds(times)
+
+
+def check_adds_up(name: str, model: nn.Module, inputs: tuple[Any, ...], attempts: int = 3) -> None:
+    """The profile's forward + backward, and the whole-model step it measured, within
+    ``ADDS_UP`` of the model's own step measured around it (before and after, averaged).
+
+    On a quiet machine the first attempt holds; another process on the cores moves the
+    model's own step by more than the tolerance from one second to the next, so up to
+    ``attempts`` are made: a profile that does not add up fails every one."""
+    cm = capture(model, inputs)
+    seen = []
+    for _ in range(attempts):
+        before = own_step(model, inputs)
+        prof = profile_captured(cm, inputs, warmup=2, repeats=5, threads=1)
+        after = own_step(model, inputs)
+        real = (before + after) / 2
+        total = prof.total_forward_time + prof.total_backward_time
+        assert prof.measured_step_time is not None
+        seen.append(f"{name}: {len(cm.graph)} nodes, profile total {total * 1e3:.1f} ms, its measured step "
+                    f"{prof.measured_step_time * 1e3:.1f} ms, the model's own step {real * 1e3:.1f} ms (before "
+                    f"{before * 1e3:.1f}, after {after * 1e3:.1f}): ratio {total / real:.3f}")
+        print(seen[-1])
+        if abs(total / real - 1) <= ADDS_UP and abs(prof.measured_step_time / real - 1) <= ADDS_UP:
+            return
+    raise AssertionError(f"no attempt within {ADDS_UP:.0%}: " + "; ".join(seen))
+
+
+def test_a_hugging_face_llama_profile_adds_up_to_the_models_own_step() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                                   vocab_size=256, use_cache=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    check_adds_up("llama", model, (torch.randint(0, 256, (8, 32)),))
+
+
+def test_the_zoo_gpt_profile_adds_up_to_the_models_own_step() -> None:
+    torch.manual_seed(0)
+    b = get_model("gpt", batch_size=8, vocab=256, d_model=256, layers=4, heads=4, seq_len=32)
+    check_adds_up("gpt", b.model, tuple(b.example_inputs))

@@ -1,8 +1,8 @@
 """``pipetrain compare``: entries, configurations per schedule, rows, failures, the CLI end to end.
 
-The end-to-end test trains a small MLP on ``digits`` for one epoch on 2 workers with two
-schedules plus the no-stashing row, and checks the JSON keys, one row per configuration and
-the PNGs of ``--plot``.
+The end-to-end test trains a small MLP on ``digits`` for at most one epoch on 2 workers with
+two schedules plus the no-stashing row (each stops at its target, evaluated 10 times an
+epoch), and checks the JSON keys, one row per configuration and the PNGs of ``--plot``.
 """
 from __future__ import annotations
 
@@ -150,7 +150,11 @@ def test_compare_json_has_one_row_per_configuration(digits_json: dict[str, Any])
         assert 0.0 <= r["final_accuracy"] <= 1.0
         assert r["samples_per_second"] > 0 and r["bytes_per_sample"] > 0
         assert r["reached"] == (r["time_to_accuracy"] is not None)
-        assert r["history"] and r["history"][-1]["epoch"] == pytest.approx(1.0)
+        # evaluated 10 times an epoch (every round(44 / 10) = 4 steps); the last is the target's, or the epoch's end
+        assert r["history"] and r["history"][-1]["epoch"] == pytest.approx(r["epochs_to_accuracy"] if r["reached"]
+                                                                           else 1.0)
+        assert [h["step"] for h in r["history"]] == list(range(4, r["history"][-1]["step"] + 1, 4))
+        assert r["evaluations"] == len(r["history"]) and r["stopped_by"] in ("target", "length")
     assert [r["config"] for r in rows] == ["2", "1-1", "1-1"]
     assert digits_json["json"]["failed"] == []
 

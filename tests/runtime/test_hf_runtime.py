@@ -21,7 +21,8 @@ pytest.importorskip("transformers")
 
 from pipetrain.graph import capture  # noqa: E402
 from pipetrain.job import OptimizerConfig, TrainConfig  # noqa: E402
-from pipetrain.models import load_model, output_logits  # noqa: E402
+from pipetrain.job.model import load_bundle  # noqa: E402
+from pipetrain.models import output_logits  # noqa: E402
 from pipetrain.run import resolve_run  # noqa: E402
 from pipetrain.runtime import launch_local  # noqa: E402
 
@@ -99,8 +100,7 @@ def test_stock_gpt2_trains_on_two_workers_like_one_process(tokens_run: dict[str,
     assert run.plan is not None and run.plan.num_stages == 2
     # the token embedding (stage 0) and the LM head (stage 1) read one tensor: a tie across stages
     assert "embedding" in run.plan.stages[0].nodes and "linear" in run.plan.stages[1].nodes
-    torch.manual_seed(0)  # the run's seed: the same initial weights
-    model = load_model("test_hf_runtime:gpt2", batch_size=8).model
+    model = load_bundle(run.config, 8).model  # the run's initial weights (its seed and each tensor's name)
     init = model.lm_head.weight.detach().clone()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     x, y = _tokens(8)

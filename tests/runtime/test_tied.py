@@ -18,6 +18,7 @@ from torch import nn
 from pipetrain.errors import RuntimeConfigError
 from pipetrain.graph import capture
 from pipetrain.job import OptimizerConfig, TrainConfig
+from pipetrain.job.model import load_bundle
 from pipetrain.models import ModelBundle, token_loss
 from pipetrain.models.bundle import LanguageModelBatches, example_inputs
 from pipetrain.plan.types import Plan, Stage
@@ -192,8 +193,9 @@ def test_three_workers_equal_one_process(three_workers: dict[str, Any], name: st
 
 
 def tied_init() -> dict[str, torch.Tensor]:
-    torch.manual_seed(0)  # the runs' seed (TrainConfig's default)
-    return {k: v.clone() for k, v in tied_lm().model.state_dict().items()}
+    """The runs' initial weights (TrainConfig's default seed, each tensor's name)."""
+    model = load_bundle(TrainConfig.of(model="test_tied:tied_lm"), 4).model
+    return {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def test_pipedream_with_a_tie_across_stages_is_one_line(tmp_path: Path) -> None:

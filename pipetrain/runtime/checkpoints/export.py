@@ -81,8 +81,8 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], TrainerState]:
         raise RuntimeConfigError(
             f"checkpoint {str(path)!r} has no trainer state {side.name!r} next to it; --resume needs both files "
             f"written by --save")
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    raw = torch.load(side, map_location="cpu", weights_only=False)
+    state = _read(path, weights_only=True)
+    raw = _read(side, weights_only=False)
     if not isinstance(raw, dict) or raw.get("format") != FORMAT:
         raise RuntimeConfigError(f"{side} is not a pipetrain trainer state (written by --save)")
     if raw.get("version") == 2:  # a distributed run's --save: the optimizer state is in the parts
@@ -91,6 +91,19 @@ def load_checkpoint(path: str | Path) -> tuple[dict[str, Tensor], TrainerState]:
         optimizer_state, stage_steps = dict(raw["optimizer_state"]), dict(raw["stage_steps"])
     return state, TrainerState(int(raw["step"]), str(raw["model"]), dict(raw["model_options"]),
                                dict(raw["optimizer"]), optimizer_state, stage_steps)
+
+
+def _read(path: Path, weights_only: bool) -> Any:
+    """``torch.load`` of one file of a ``--save`` checkpoint; a file that cannot be read (truncated,
+    corrupt, not a torch file) is a one-line error naming it."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=weights_only)
+    except Exception as e:  # noqa: BLE001 - torch's reasons are long and varied: one line naming the file
+        text = str(e).strip()
+        first = text.splitlines()[0].split(". ")[0].rstrip(".") if text else ""
+        reason = f"{type(e).__name__}: {first}" if first else type(e).__name__
+        raise RuntimeConfigError(f"cannot read checkpoint {str(path)!r}: {reason}; the file is truncated or corrupt: "
+                                 f"pass a complete checkpoint written by --save (PATH and PATH.trainer)") from None
 
 
 def parts_dir(path: str | Path) -> Path:

@@ -16,6 +16,11 @@ nothing to it. Per action::
     STEP   mean gradient = sum / units in the group (design.md's gradient accounting),
            optional clipping, optimizer on the newest version -> version k+1
 
+Random operations: with a ``seed``, every forward (and its recompute) of unit ``mb`` runs
+under the per-unit random stream of its global unit index ``step * m + mb % m``
+(:mod:`pipetrain.graph.random_ops`): the stage's random nodes draw the same masks as on one
+worker with the same microbatches, whatever the layout or the order of units.
+
 Gradient clipping: synchronous schedules clip by the global norm over all stages (each rank
 adds its stages' squared norms, divided by their replica counts, in one all-reduce at the
 step); asynchronous schedules (pipedream, 2bw), whose stages step at different times on
@@ -31,13 +36,14 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 from torch.func import functional_call
 
+from ...graph.random_ops import unit_stream
 from ...job.config import LRSchedule
 from ...schedule.action import COMPUTE_OPS, Action, Op
 from ...schedule.events import Event
@@ -83,6 +89,8 @@ class Executor:
         on_step: called ``on_step(step, loss)`` for every minibatch the last stage finishes,
             instead of the log line (needs ``log_every >= 1``): the driving rank's progress
             (:mod:`pipetrain.runtime.worker.monitor`).
+        seed: the run's seed, which the random nodes' per-unit stream derives from
+            (``None``: they draw from the global generator as it is).
     """
 
     def __init__(self, rank: int, stages: dict[int, StageRuntime], comm: Comm, data: UnitData,
@@ -90,7 +98,8 @@ class Executor:
                  clip: float | None = None, global_clip: bool = False, lookahead: int = 8,
                  record: bool = False, fail_at: tuple[int, int, str] | None = None,
                  log_every: int = 0, lr_totals: dict[int, int] | None = None, tied: TiedSync | None = None,
-                 hooks: Sequence[EngineHooks] = (), on_step: Callable[[int, float], None] | None = None) -> None:
+                 hooks: Sequence[EngineHooks] = (), on_step: Callable[[int, float], None] | None = None,
+                 seed: int | None = None) -> None:
         self.rank = rank
         self.stages = stages
         self.comm = comm
@@ -109,6 +118,7 @@ class Executor:
         self.hooks = tuple(hooks)
         self._dropping = [h for h in self.hooks if h.drops_steps]  # their agreement comes before any update
         self.on_step = on_step
+        self.seed = seed
         self.events: list[Event] = []   # seconds since t0; every action if record, else the STEPs
         self.losses: dict[int, Tensor] = {}  # unit -> loss (last stage)
         self._units: dict[tuple[int, int], UnitState] = {}
@@ -234,7 +244,7 @@ class Executor:
         version = a.version if a.version is not None else st.versions.newest
         params = st.versions.get(version)
         rng = recompute.rng_state(self.comm.device) if (a.stage, a.mb) in self._recompute else None
-        with torch.enable_grad():
+        with torch.enable_grad(), self._stream(a.stage, a.mb):
             out = functional_call(sm.module, params, tuple(values))
             if sm.is_last:
                 loss = self.loss_fn(sm.finish_output(out), self.data.unit(a.mb)[1])
@@ -243,7 +253,7 @@ class Executor:
             else:
                 codec = sm.out_codec
                 assert codec is not None
-                sent = codec.encode(out, self.comm.device)
+                sent = st.own_wires(codec.encode(out, self.comm.device))
                 self._outbox[(a.stage, a.mb, 0)] = sent
                 outputs = [sent[i] for i in codec.grad_indices]
         for h in self.hooks:
@@ -304,8 +314,17 @@ class Executor:
         def loss(output: Any) -> Tensor:
             return self.loss_fn(output, target(a.mb)[1])
 
-        u.params, u.outputs = recompute.recompute(self.stages[a.stage], a.version, u, self.comm.device, loss)
+        u.params, u.outputs = recompute.recompute(self.stages[a.stage], a.version, u, self.comm.device, loss,
+                                                  self._stream(a.stage, a.mb))
         u.version = a.version
+
+    def _stream(self, stage: int, mb: int) -> AbstractContextManager[None]:
+        """The per-unit random stream of unit ``mb`` of this segment (module docstring), for a
+        stage with random nodes."""
+        if self.seed is None or not self.stages[stage].stage.random_nodes:
+            return nullcontext()
+        m = self.data.m
+        return unit_stream(self.seed, self.data.step_of(mb) * m + mb % m, [self.comm.device])
 
     # I and W: one backward split in two with no work done twice (split_backward.py)
     def _backward_input(self, a: Action) -> None:

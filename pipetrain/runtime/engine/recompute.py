@@ -12,7 +12,8 @@ reference replay (:func:`pipetrain.runtime.reference.replay_schedule`) alike:
                                           loss reported for the unit)
     g_s          the gradient of the loss w.r.t. y_s^F, as the downstream stage's
                  backward sends it back
-    recompute    y_s^B = f_s(x_s; W_s^(v_B))    (same random stream as the forward)
+    recompute    y_s^B = f_s(x_s; W_s^(v_B))    (same random stream as the forward: the
+                                          unit's stream, graph/random_ops.py)
     backward     (dL/dx_s, dL/dW_s) = vjp of y_s^B at (x_s, W_s^(v_B)) applied to g_s
 
 So the weight gradient uses the newest weights and activations recomputed from the stashed
@@ -27,6 +28,7 @@ unit updates them once, in its forward; the recompute reads them as they are whe
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -82,12 +84,14 @@ def rng_state(device: torch.device) -> RngState:
 
 
 def recompute(st: StageRuntime, version: int, u: UnitState, device: torch.device,
-              loss: Callable[[Any], Tensor]) -> tuple[dict[str, Tensor], list[Tensor]]:
+              loss: Callable[[Any], Tensor],
+              stream: AbstractContextManager[None] | None = None) -> tuple[dict[str, Tensor], list[Tensor]]:
     """The forward of ``u`` run again under ``version`` (module docstring): that version's
     weights and the recomputation's outputs (the roots its backward differentiates).
 
     ``u`` holds the stage input and random state its forward kept; ``loss(output)`` is the
-    unit's loss (called on the last stage only).
+    unit's loss (called on the last stage only); ``stream`` is the unit's random stream, the
+    one its forward ran under (:func:`pipetrain.graph.random_ops.unit_stream`).
     """
     sm = st.stage
     assert u.rng is not None, "recompute needs the forward's stashed input"
@@ -99,7 +103,7 @@ def recompute(st: StageRuntime, version: int, u: UnitState, device: torch.device
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
-        with torch.enable_grad():
+        with torch.enable_grad(), stream or nullcontext():
             out = functional_call(sm.module, params, tuple(u.inputs))
             if sm.is_last:
                 outputs = [loss(sm.finish_output(out))]

@@ -61,6 +61,9 @@ class StageRuntime:
             sub = mod.get_submodule(owner) if owner else mod
             setattr(sub, leaf, meta)
         self.versions = WeightVersions(initial)
+        # The stage's buffers (running statistics it updates, constants): a wire sharing their
+        # memory is copied before it is sent (own_wires).
+        self._buffer_storage = {b.untyped_storage().data_ptr() for b in mod.buffers()} - {0}
         self.lr_total = 1  # horizon of the LR schedule, in this stage's steps
         self._acc: dict[str, Tensor] = {}
         self.acc_count = 0
@@ -180,6 +183,15 @@ class StageRuntime:
         self._acc = {}
         self._touched.clear()
         self.acc_count = 0
+
+    def own_wires(self, wires: list[Tensor]) -> list[Tensor]:
+        """``wires`` with every tensor that shares memory with one of the stage's buffers
+        copied: a send completes asynchronously, and the stage's next forward may update the
+        buffer (a running statistic written in place) before it does."""
+        if not self._buffer_storage:
+            return wires
+        held = self._buffer_storage
+        return [w.clone() if w.untyped_storage().data_ptr() in held else w for w in wires]
 
     # -- what the stage holds ---------------------------------------------------------------
     def gradient_buffers(self) -> list[Tensor]:

@@ -166,7 +166,7 @@ def unit_source(source: Any, spec: DataSpec, schedule: Schedule, rank: int, batc
     (:class:`~pipetrain.data.EpochSampler`, seeded with the run's seed). A rank that reads
     nothing gets :class:`NoData`.
     """
-    from ...data import EpochSampler, UnitLoader
+    from ...data import EpochSampler, UnitLoader, kept_workers
 
     mine = schedule.stages_of_rank(rank)
     ends = [k for k in mine if k in (0, schedule.num_stages - 1)]
@@ -175,5 +175,7 @@ def unit_source(source: Any, spec: DataSpec, schedule: Schedule, rank: int, batc
         return NoData(microbatches, step_offset)
     sampler = EpochSampler(source.num_train, batch_size, seed=spec.seed)
     units = units_of(schedule.workers[rank], ends)
+    # background workers (--loader-workers): one set per rank for the whole run, kept with its source
+    workers = kept_workers(source, source.train, sampler, microbatches, part, spec.loader_workers)  # type: ignore[arg-type]
     return UnitLoader(source.train, sampler, microbatches, units, part=part, step_offset=step_offset,  # type: ignore[arg-type]
-                      num_workers=spec.loader_workers, device=device)
+                      device=device, workers=workers)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -44,7 +45,7 @@ from ...schedule.action import Schedule
 from ...schedule.events import steady_state_rates, write_chrome_trace
 from ...schedule.traffic import ReduceBuffer, TiedBuffer, Traffic, bytes_per_sample, traffic_report
 from ...stages.boundary import BoundaryCodec
-from ...stages.partition import boundary_codecs, build_stage_modules
+from ...stages.partition import build_stage_modules
 from ...stages.tied import alias_state, check_ties, stage_parameters, tied_buffers
 from ..checkpoints.export import check_resumable, load_checkpoint, save_final
 from ..checkpoints.periodic import RankView, every_name, lookup_any_name, restore, save_at_boundary
@@ -61,6 +62,8 @@ from ..process.failures import FailureBoard, FailureRecord, connect_board
 from ..process.peers import naming_peer, restart_store
 from ..process.rss import peak_rss_life_mib, proc_status_mib, reset_peak_rss
 from ..process.setup import process_device, setup_process
+from ..process.signals import exit_on_signal
+from .forward_errors import ForwardErrors
 from .monitor import TrainMonitor
 from .pipeline_eval import evaluate
 
@@ -83,7 +86,10 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
 
 
 def worker_main(runs: Sequence[ResolvedRun], board_address: tuple[str, int] | None = None) -> list[RunResult | None]:
-    """Entry point of each process started by the local launcher: run every resolved run in turn."""
+    """Entry point of each process started by the local launcher: run every resolved run in turn.
+    Ctrl-C (SIGINT) or SIGTERM ends the process at once and quietly: the launcher stops every
+    worker and removes what they left half written (:func:`~pipetrain.runtime.process.signals.exit_on_signal`)."""
+    exit_on_signal()
     results = []
     try:
         for run in runs:
@@ -128,6 +134,8 @@ def run_rank(run: ResolvedRun, board_address: tuple[str, int] | None = None) -> 
     try:
         return _run(run, rank, world, device)
     except BaseException as e:
+        if cfg.debug.show_traceback:  # --debug: this rank's traceback, before its one line
+            traceback.print_exc()
         root = _root_failure(board, rank) if not isinstance(e, PipetrainError) else None
         if root is not None:
             if board is not None:
@@ -216,11 +224,10 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     """Model, capture, the plan's stages, this rank's stage modules, optimizers and resume."""
     cfg = run.config
     schedule = run.schedule
-    staged = build_stages(run)
-    bundle, captured, part = staged.bundle, staged.captured, staged.partition
-    original_keys = list(bundle.model.state_dict().keys())
-    codecs = boundary_codecs(captured.gm, part, bundle.example_inputs)
     mine = schedule.stages_of_rank(rank)
+    staged = build_stages(run, mine, unread=rank == 0)  # storage for this rank's tensors only
+    bundle, captured, part, codecs = staged.bundle, staged.captured, staged.partition, staged.codecs
+    original_keys = list(bundle.model.state_dict().keys())
     modules = build_stage_modules(captured, part, codecs, mine)
     extras: dict[str, torch.Tensor] = {}
     if rank == 0:  # parameters no node reads: no stage holds them, checkpoints need them
@@ -277,14 +284,16 @@ def _train(run: ResolvedRun, setup: _Setup, rank: int,
 
 
 def _hooks(run: ResolvedRun, setup: _Setup, rank: int, tied: bool) -> list[EngineHooks]:
-    """The executor's hooks: the numerics guard and, with --measure-memory, the tensor ledger.
+    """The executor's hooks: the naming of the model's exceptions, the numerics guard and, with
+    --measure-memory, the tensor ledger.
     Every rank builds them at the same point (the guard may create a process group)."""
     cfg = run.config
     guard = NumericsGuard(rank, cfg.checkpoint.checkpoint_dir, skip=cfg.training.skip_nonfinite,
                           synchronous=cfg.synchronous, schedule=cfg.parallel.schedule,
                           timeout=cfg.performance.timeout, tied=tied)
     setup.skipped = guard.skipped
-    hooks: list[EngineHooks] = [guard]
+    # the model's own exceptions in a forward name their step, unit and node (forward_errors.py)
+    hooks: list[EngineHooks] = [ForwardErrors(rank, debug=cfg.debug.show_traceback), guard]
     if cfg.performance.measure_memory:
         setup.tensor_memory = TensorMemory()
         hooks.append(setup.tensor_memory)
@@ -309,7 +318,8 @@ def _executor(run: ResolvedRun, setup: _Setup, rank: int, comm: Comm, data: Unit
                     fail_at=parse_debug_fail(debug_fail) if debug_fail else None,
                     log_every=1 if monitor.wants_steps else cfg.output.log_every if is_logger else 0,
                     lr_totals=lr_totals, tied=tied, hooks=hooks,
-                    on_step=monitor.on_step if monitor.wants_steps else None)  # the driving rank's progress
+                    on_step=monitor.on_step if monitor.wants_steps else None,  # the driving rank's progress
+                    seed=cfg.training.seed)  # the random nodes' per-unit stream (graph/random_ops.py)
 
 
 def _loss_fn(run: ResolvedRun, setup: _Setup) -> Callable[[Any, Any], torch.Tensor]:

@@ -11,15 +11,27 @@ evaluation), so all ranks decide to stop at the same boundary.
 Time: :attr:`TrainMonitor.clock` runs only while a timed segment runs (barrier to barrier),
 so every figure of time (samples/s, ETA, ``wall_time`` of an evaluation, time to accuracy)
 excludes evaluation, checkpoints, data prefetching and the warm-up.
+
+Data wait: the progress line's ``data wait 12%`` is the driving rank's own wait for its units
+(its :class:`~pipetrain.data.UnitLoader` adds every second it blocks, in ``unit`` or in a
+segment's ``prefetch``, to the process's :data:`~pipetrain.data.DATA_WAIT`), as a share of
+that rank's training time plus the waits outside it: ``wait / (timed seconds + waits while
+the clock stood)``, i.e. of the time per step including its loading. :class:`DataWaitClock`
+tells the waits inside the timed spans from those outside. No rank sends anything for it: the
+last stage reads the targets, and for user datasets (items read whole) its wait is the first
+stage's too.
 """
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
 
+from ...data import DATA_WAIT, WaitMeter
 from ...metrics import MetricsLogger, Progress, TargetTracker, TrainClock, TrainPoint, write_run_files
 from ...schedule.action import Schedule
 
-__all__ = ["TrainMonitor", "run_files"]
+__all__ = ["DataWaitClock", "TrainMonitor", "run_files"]
 
 
 def run_files(run: Any) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
@@ -37,6 +49,47 @@ def run_files(run: Any) -> tuple[dict[str, Any], dict[str, Any] | None, str]:
     return config, info.get("plan"), text
 
 
+class DataWaitClock(TrainClock):
+    """The training clock (not running until :meth:`start`) that also splits the data waits of
+    ``meter`` counted since it was built into those while it runs and those while it stands
+    (a segment's prefetch before its barrier, a warm-up): :meth:`data_wait_share`."""
+
+    def __init__(self, meter: WaitMeter, now: Callable[[], float] = time.perf_counter) -> None:
+        super().__init__(now, start=False)
+        self.meter = meter
+        self._base = meter.seconds          # waits before this clock: not its run's
+        self._stood_at: float | None = meter.seconds   # the meter when the clock last stopped (None: running)
+        self._outside = 0.0                 # waits while the clock stood, up to _stood_at
+
+    def _run(self) -> None:
+        if self._stood_at is not None:
+            self._outside += self.meter.seconds - self._stood_at
+            self._stood_at = None
+
+    def start(self) -> None:
+        self._run()
+        super().start()
+
+    def resume(self) -> None:
+        self._run()
+        super().resume()
+
+    def pause(self) -> None:
+        if self._stood_at is None:
+            self._stood_at = self.meter.seconds
+        super().pause()
+
+    def waits_outside(self) -> float:
+        """Seconds of data wait while the clock stood."""
+        return self._outside + (0.0 if self._stood_at is None else self.meter.seconds - self._stood_at)
+
+    def data_wait_share(self) -> float | None:
+        """``waits / (elapsed + waits outside)``: the share of the time per step, loading included,
+        spent waiting for data (``None`` before any time counted)."""
+        total = self.elapsed() + self.waits_outside()
+        return (self.meter.seconds - self._base) / total if total > 0 else None
+
+
 class TrainMonitor:
     """Progress, logs and the target of one rank (module docstring).
 
@@ -45,13 +98,15 @@ class TrainMonitor:
         rank: this rank (``None``: the one process of a one-process run, which drives).
         schedule: the run's schedule (``None`` for one process).
         start_step: steps done before this run (resumed runs).
+        meter: the data waits to show (default: the process's, :data:`~pipetrain.data.DATA_WAIT`).
     """
 
-    def __init__(self, run: Any, rank: int | None, schedule: Schedule | None, start_step: int = 0) -> None:
+    def __init__(self, run: Any, rank: int | None, schedule: Schedule | None, start_step: int = 0,
+                 meter: WaitMeter = DATA_WAIT) -> None:
         cfg = run.config
         self.run = run
         self.driving = rank is None or (schedule is not None and rank == schedule.stage_ranks[-1][0])
-        self.clock = TrainClock(start=False)
+        self.clock = DataWaitClock(meter)
         ev = cfg.evaluation
         self.tracker = TargetTracker(ev.target_accuracy, ev.target_loss)
         self.batch_size = run.batch_size
@@ -84,7 +139,7 @@ class TrainMonitor:
     def on_step(self, step: int, loss: float) -> None:
         """The last stage finished minibatch ``step`` (1-based, absolute) with mean ``loss``."""
         if self.progress is not None:
-            self.progress.update(step, loss=loss)
+            self.progress.update(step, loss=loss, data_wait=self.clock.data_wait_share())
         if self.logger is not None and self.log_every and step % self.log_every == 0:
             now = self.clock.elapsed()
             sps = None
@@ -109,7 +164,7 @@ class TrainMonitor:
         out = self.tracker.to_dict() if self.tracker.history else {}
         if self.tracker.history:
             epochs = self.epoch(steps_done)
-            out["target_summary"] = self.tracker.summary(epochs)
+            out["target_summary"] = self.tracker.summary(epochs, self.run.config.training.max_epochs)
             out["epochs"] = epochs
             out["eval_history"] = [r.to_dict() for r in self.tracker.history]
         return out
@@ -120,7 +175,7 @@ class TrainMonitor:
             self.progress.close()
             self.progress = None
         if self.driving and self.tracker.history:
-            line = self.tracker.summary(self.epoch(steps_done))
+            line = self.tracker.summary(self.epoch(steps_done), self.run.config.training.max_epochs)
             from ..process.log import progress as plog
 
             if not self.run.config.output.quiet:

@@ -1,0 +1,141 @@
+"""Peak memory of every process of a run, against the model's size: does a worker hold only its stage?
+
+For 1, 2 and 4 workers (``--config 1-1...``, flush), ``pipetrain train`` runs as a fresh
+process tree; every process's peak resident set (``VmHWM`` from ``/proc``, sampled every few
+milliseconds, :class:`rss.TreeMemory`) is recorded, the launcher's and each worker's, and
+compared with the import baseline (the peak of ``python -c "import torch, pipetrain"``) and
+the model's fp32 bytes. Workers restart their ``VmHWM`` once set up (``reset_peak_rss``), so
+the sampling, not their own report, sees the build's peak.
+
+    python benchmarks/stage_memory.py                         # the issue's GPT (420M parameters)
+    python benchmarks/stage_memory.py --workers 4 --json out.json
+    python benchmarks/stage_memory.py --pythonpath ../old     # another checkout (``git archive``)
+
+The figure of merit is ``(peak - baseline) / model bytes`` of the largest process: 1.0 or
+more when every process builds the whole model, about ``1/W`` of weights plus gradients
+when each worker materialises only its stage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from rss import TreeMemory
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO_ROOT = os.path.dirname(BENCH_DIR)
+
+#: The model of issue 20's measurement: a built-in GPT of 420M parameters (1,602 MiB in fp32).
+GPT_OPTIONS = {"d_model": 1024, "layers": 32, "heads": 8, "seq_len": 64}
+
+
+def _cwd(pythonpath: str | None) -> str:
+    """Where the runs start: ``python -m`` puts its working directory first on ``sys.path``, so
+    a checkout given by ``--pythonpath`` must be it (else a neutral directory)."""
+    return pythonpath or tempfile.gettempdir()
+
+
+def _env(pythonpath: str | None) -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    paths = [p for p in (pythonpath, env.get("PYTHONPATH")) if p]
+    if paths:
+        env["PYTHONPATH"] = os.pathsep.join(paths)
+    return env
+
+
+def _imported_from(pythonpath: str | None) -> str:
+    code = "import pipetrain; print(pipetrain.__file__)"
+    return subprocess.run([sys.executable, "-c", code], env=_env(pythonpath), capture_output=True, text=True,
+                          check=True, cwd=_cwd(pythonpath)).stdout.strip()
+
+
+def import_baseline_mib(pythonpath: str | None) -> float:
+    """Peak RSS of a process that only imports torch and pipetrain (``ru_maxrss``), MiB."""
+    code = "import resource, torch, pipetrain; print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)"
+    out = subprocess.run([sys.executable, "-c", code], env=_env(pythonpath), capture_output=True, text=True,
+                         check=True, cwd=_cwd(pythonpath))
+    return int(out.stdout.split()[-1]) / 1024.0
+
+
+def model_mib(model: str, options: dict[str, Any]) -> float:
+    """The model's parameters and buffers in fp32, MiB (counted on a weightless build)."""
+    sys.path.insert(0, REPO_ROOT)
+    from pipetrain.models.loader import load_weightless
+
+    bundle, _ = load_weightless(model, 0, 1, **options)
+    tensors = {id(t): t for t in [*bundle.model.parameters(), *bundle.model.buffers()]}
+    return sum(t.numel() * 4 for t in tensors.values()) / 2 ** 20
+
+
+def train_command(model: str, options: dict[str, Any], workers: int, steps: int) -> list[str]:
+    cmd = [sys.executable, "-m", "pipetrain", "train", "--model", model, "--workers", str(workers),
+           "--schedule", "flush", "--microbatches", "4", "--batch-size", "4", "--steps", str(steps)]
+    for k, v in options.items():
+        cmd += ["--option", f"{k}={v}"]
+    if workers > 1:
+        cmd += ["--config", "-".join(["1"] * workers)]
+    return cmd
+
+
+def measure(cmd: list[str], pythonpath: str | None, interval: float) -> dict[str, Any]:
+    """Run ``cmd``; the peak of its root process (the launcher) and of every descendant."""
+    tree = TreeMemory()
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=_env(pythonpath), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=_cwd(pythonpath))
+    while proc.poll() is None:
+        tree.sample(proc.pid)
+        time.sleep(interval)
+    output = proc.stdout.read() if proc.stdout is not None else ""
+    if proc.returncode != 0:
+        raise SystemExit(f"run failed ({proc.returncode}): {' '.join(cmd)}\n{output[-2000:]}")
+    others = sorted((p for p in tree.peaks if p != proc.pid), key=lambda p: -tree.peaks[p])
+    return {"seconds": round(time.perf_counter() - start, 1), "launcher_mib": tree.peaks.get(proc.pid, 0.0),
+            "child_mib": [round(tree.peaks[p], 1) for p in others], "output": output.strip().splitlines()[-1:]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workers", default="1,2,4", help="comma-separated worker counts (default 1,2,4)")
+    ap.add_argument("--model", default="gpt")
+    ap.add_argument("--option", action="append", default=[], metavar="K=V",
+                    help="model option (default: the issue's GPT, d_model=1024 layers=32 heads=8 seq_len=64)")
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--interval", type=float, default=0.005, help="seconds between samples of /proc")
+    ap.add_argument("--pythonpath", default=None, help="put this checkout first on PYTHONPATH of the runs")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    if args.pythonpath is not None:
+        args.pythonpath = os.path.abspath(args.pythonpath)
+    options: dict[str, Any] = dict(GPT_OPTIONS) if args.model == "gpt" and not args.option else {}
+    for kv in args.option:
+        k, _, v = kv.partition("=")
+        options[k] = int(v) if v.lstrip("-").isdigit() else v
+    baseline = import_baseline_mib(args.pythonpath)
+    size = model_mib(args.model, options)
+    print(f"model {args.model} {options}: {size:.0f} MiB fp32; import baseline {baseline:.0f} MiB")
+    print(f"{'workers':>7} {'launcher':>9} {'largest worker':>15} {'max/model':>9} {'seconds':>8}  "
+          f"workers' peaks (MiB)")
+    rows = []
+    print(f"pipetrain from {_imported_from(args.pythonpath)}")
+    for w in (int(x) for x in args.workers.split(",")):
+        r = measure(train_command(args.model, options, w, args.steps), args.pythonpath, args.interval)
+        workers = r["child_mib"][:w] if w > 1 else []
+        largest = max([r["launcher_mib"], *workers])
+        ratio = (largest - baseline) / size
+        print(f"{w:>7} {r['launcher_mib']:>9.0f} {max(workers, default=0):>15.0f} {ratio:>9.2f} {r['seconds']:>8.1f}  "
+              f"{', '.join(f'{x:.0f}' for x in workers) or '-'}")
+        rows.append({"workers": w, "baseline_mib": baseline, "model_mib": size, "ratio": ratio, **r})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"model": args.model, "options": options, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

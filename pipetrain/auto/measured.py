@@ -1,0 +1,104 @@
+"""What the automatic choice measures, kept in the measurement cache between runs.
+
+:func:`pipetrain.auto.choose.choose` measures four things before it predicts: the loopback
+calibration (when no ``--calibration`` is given), one profile per unit size, each planned
+stage's forward + backward as a whole, and each stage's optimizer step. All of them depend
+only on the model, the settings and the machine, so :class:`AutoMeasurements` keeps them in
+the :class:`~pipetrain.profile.cache.MeasurementCache` (kinds ``calibration``, ``profile``,
+``stage-times`` and ``optimizer-step``): a repeated ``train --schedule auto`` plans on them
+without profiling again (``--no-cache``: measure again).
+
+A profile's key is the caller's model key (name and options), the captured graph's
+fingerprint (:func:`~pipetrain.profile.cache.graph_fingerprint`: any change to the nodes,
+their shapes or parameters is a miss), the unit size, the optimizer, the threads and the
+repeats; stage times add the stages' node lists to it. Without a cache, or without a model
+key (a library caller that cannot say what the model is), everything is measured.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..cluster.calibration import Calibration
+    from ..graph.capture import CapturedModel
+    from ..profile.cache import MeasurementCache
+    from ..profile.types import Profile
+
+__all__ = ["AutoMeasurements"]
+
+
+class AutoMeasurements:
+    """The choice's measurements through ``cache`` (module docstring).
+
+    Args:
+        cache: the measurement cache, or None (measure everything).
+        model: what identifies the model for the cache (e.g. ``{"model": "gpt", "options": {...}}``);
+            None: nothing is cached but the calibration.
+        settings: the other things the measurements depend on (optimizer, threads, repeats...).
+    """
+
+    def __init__(self, cache: MeasurementCache | None, model: Mapping[str, Any] | None,
+                 settings: Mapping[str, Any]) -> None:
+        self.cache = cache
+        self.model = dict(model) if model is not None else None
+        self.settings = dict(settings)
+
+    def calibration(self, workers: int, measure: Callable[[], Calibration]) -> Calibration:
+        """The loopback calibration at ``workers`` ranks (measured by ``measure`` on a miss)."""
+        from ..cluster.calibration import Calibration
+
+        if self.cache is None:
+            return measure()
+        cal, _ = self.cache.fetch("calibration", {"ranks": workers}, measure, lambda c: c.to_dict(),
+                                  lambda d: Calibration.from_dict(d, "the measurement cache"))
+        return cal
+
+    def profile_key(self, captured: CapturedModel, samples: int) -> dict[str, Any] | None:
+        """The cache key of the profile of ``captured`` at ``samples`` samples (None: not cached)."""
+        from ..profile.cache import graph_fingerprint
+
+        if self.cache is None or self.model is None:
+            return None
+        return {"model": self.model, "graph": graph_fingerprint(captured.graph), "samples": samples, **self.settings}
+
+    def profile(self, key: Mapping[str, Any] | None, make: Callable[[], Profile]) -> Profile:
+        """The profile under ``key`` (``make()`` on a miss, or when ``key`` is None)."""
+        from ..profile.cache import cached_profile
+
+        if key is None or self.cache is None:
+            return make()
+        profile, _ = cached_profile(self.cache, key, make)
+        return profile
+
+    def stage_seconds(self, key: Mapping[str, Any] | None, stages: Sequence[Sequence[str]],
+                      make: Callable[[], list[float]]) -> list[float]:
+        """Seconds of ``stages`` as a whole, of the model whose profile key is ``key``."""
+        if key is None or self.cache is None:
+            return make()
+        seconds, _ = self.cache.fetch("stage-times", {"profile": dict(key), "stages": [list(s) for s in stages]},
+                                      make, list, _floats(len(stages)))
+        return seconds
+
+    def step_seconds(self, shapes: Sequence[Sequence[int]], make: Callable[[], float]) -> float:
+        """Seconds of one optimizer step over parameters of ``shapes``."""
+        if self.cache is None:
+            return make()
+        value, _ = self.cache.fetch("optimizer-step", {"shapes": [list(s) for s in shapes], **self.settings},
+                                    make, float, _float)
+        return value
+
+
+def _float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise ValueError(f"not a time: {v!r}")
+    return float(v)
+
+
+def _floats(n: int) -> Callable[[Any], list[float]]:
+    def load(v: Any) -> list[float]:
+        if not isinstance(v, list) or len(v) != n:
+            raise ValueError(f"not {n} times: {v!r}")
+        return [_float(x) for x in v]
+
+    return load

@@ -1,0 +1,233 @@
+"""Pretrained weights by name: Hugging Face model directories (``--model hf:DIR``) and
+``--init-from PATH``, read one tensor at a time.
+
+``hf:DIR`` is a directory as ``save_pretrained`` writes it: ``config.json`` and the weights,
+``model.safetensors`` or the shards ``model-0000N-of-0000M.safetensors`` with
+``model.safetensors.index.json`` (the shard of every tensor). The model is the class the
+config names (``architectures[0]``, from ``transformers``), built from the config as it comes:
+its forward returns its ``ModelOutput`` (the loss reads its logits), its tied weights stay
+tied. The synthetic data is next-token prediction over the config's vocabulary
+(``--option seq_len=N`` tokens, default ``min(128, max_position_embeddings)``).
+
+:class:`TensorFiles` reads named tensors from safetensors files (``safe_open``: one tensor
+without loading the file) or from a ``torch.save`` of ``{name: tensor}`` (``--save``'s file,
+memory-mapped): a process reads only the tensors it holds. :meth:`TensorFiles.check` compares
+the files' names and shapes (their headers) with the model's before any tensor is read.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import ModelError
+from .bundle import LanguageModelBatches, ModelBundle, make_bundle, token_loss
+
+__all__ = ["HF_PREFIX", "TensorFiles", "build_hf", "hf_directory", "load_into"]
+
+HF_PREFIX = "hf:"
+SAFETENSORS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DEFAULT_SEQ_LEN = 128
+DEFAULT_BATCH_SIZE = 8
+
+
+def hf_directory(spec: str) -> Path:
+    """The directory of an ``hf:DIR`` spec, checked to hold ``config.json``."""
+    path = Path(spec[len(HF_PREFIX):]).expanduser()
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise ModelError(f"--model {spec}: {str(path)!r} {what}, so it is not a Hugging Face model directory; pass "
+                         f"hf:DIR with DIR as save_pretrained writes it (config.json and model.safetensors)")
+    return path
+
+
+def _model_class(spec: str, config: Any) -> type[nn.Module]:
+    import transformers
+
+    names = list(getattr(config, "architectures", None) or [])
+    if not names:
+        raise ModelError(f"--model {spec}: config.json names no model class (its 'architectures' is empty); add the "
+                         f"class, e.g. \"architectures\": [\"LlamaForCausalLM\"]")
+    cls = getattr(transformers, names[0], None)
+    if not isinstance(cls, type) or not issubclass(cls, nn.Module):
+        raise ModelError(f"--model {spec}: config.json names the model class {names[0]!r}, which transformers "
+                         f"{transformers.__version__} does not have; install a transformers version that has it")
+    return cls
+
+
+def _config(spec: str, directory: Path) -> Any:
+    try:
+        from transformers import AutoConfig
+    except ImportError as exc:
+        raise ModelError(f"--model {spec} needs the transformers package ({exc}); install it with "
+                         f"`pip install transformers`") from None
+    try:
+        return AutoConfig.from_pretrained(str(directory))
+    except (ValueError, KeyError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+        raise ModelError(f"--model {spec}: transformers cannot read {str(directory / 'config.json')!r} ({first}); "
+                         f"install a transformers version that knows its model_type, or fix the file") from None
+
+
+def build_hf(spec: str, batch_size: int | None, options: Mapping[str, Any]) -> ModelBundle:
+    """The bundle of ``hf:DIR``: the config's model class built from the config (its weights
+    come from the directory's files when materialised), next-token prediction batches."""
+    directory = hf_directory(spec)
+    config = _config(spec, directory)
+    unknown = sorted(set(options) - {"seq_len"})
+    if unknown:
+        raise ModelError(f"--model {spec} takes only the option seq_len, got {unknown[0]!r}")
+    limit = int(getattr(config, "max_position_embeddings", DEFAULT_SEQ_LEN) or DEFAULT_SEQ_LEN)
+    seq_len = options.get("seq_len", min(DEFAULT_SEQ_LEN, limit))
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or not 1 <= seq_len <= limit:
+        raise ModelError(f"--model {spec}: seq_len must be an integer in [1, {limit}] (max_position_embeddings), "
+                         f"got {seq_len!r}")
+    vocab = int(getattr(config, "vocab_size", 0) or 0)
+    if vocab < 2:
+        raise ModelError(f"--model {spec}: config.json has no vocab_size; hf:DIR trains causal language models")
+    model = _model_class(spec, config)(config)
+    return make_bundle(spec, model, token_loss, LanguageModelBatches(vocab, seq_len), batch_size,
+                       DEFAULT_BATCH_SIZE, {"seq_len": seq_len})
+
+
+class TensorFiles:
+    """Named tensors in files, read one at a time (module docstring).
+
+    Attributes:
+        label: what the files are, for messages (``hf:DIR``, ``--init-from PATH``).
+    """
+
+    def __init__(self, label: str, files: Mapping[str, Path], torch_file: Path | None = None) -> None:
+        self.label = label
+        self._file_of = dict(files)               # tensor name -> its safetensors file
+        self._torch_file = torch_file
+        self._handles: dict[Path, Any] = {}
+        self._state: dict[str, Tensor] | None = None
+
+    @classmethod
+    def at(cls, path: str | os.PathLike[str], label: str) -> TensorFiles:
+        """The tensors of a directory (``model.safetensors``, or shards and their index), a
+        ``.safetensors`` file, or a ``torch.save`` file of ``{name: tensor}``."""
+        p = Path(path).expanduser()
+        if p.is_dir():
+            if (p / INDEX).is_file():
+                try:
+                    weight_map = json.loads((p / INDEX).read_text())["weight_map"]
+                except (ValueError, KeyError) as exc:
+                    raise ModelError(f"{label}: {str(p / INDEX)!r} is not a safetensors index ({exc}); write it "
+                                     f"with save_pretrained") from None
+                return cls(label, {name: p / file for name, file in weight_map.items()})
+            if (p / SAFETENSORS).is_file():
+                return cls(label, dict.fromkeys(cls._names(p / SAFETENSORS, label), p / SAFETENSORS))
+            raise ModelError(f"{label}: {str(p)!r} has neither {SAFETENSORS} nor {INDEX}; write the weights with "
+                             f"save_pretrained (safetensors)")
+        if not p.is_file():
+            raise ModelError(f"{label}: {str(p)!r} does not exist; pass a safetensors file or directory, or a "
+                             f"checkpoint written by --save")
+        if p.suffix == ".safetensors":
+            return cls(label, dict.fromkeys(cls._names(p, label), p))
+        return cls(label, {}, torch_file=p)
+
+    @staticmethod
+    def _names(file: Path, label: str) -> list[str]:
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                return list(f.keys())
+        except Exception as exc:  # noqa: BLE001 - a damaged or foreign file: one line
+            raise ModelError(f"{label}: cannot read {str(file)!r} as safetensors ({type(exc).__name__}: "
+                             f"{str(exc)[:160]})") from None
+
+    def _torch_state(self) -> dict[str, Tensor]:
+        if self._state is None:
+            assert self._torch_file is not None
+            try:  # memory-mapped: a tensor's pages are read when it is
+                state = torch.load(self._torch_file, map_location="cpu", mmap=True, weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - not a torch file: one line
+                raise ModelError(f"{self.label}: cannot read {str(self._torch_file)!r} as a checkpoint "
+                                 f"({type(exc).__name__}: {str(exc)[:160]}); pass a safetensors file or the file "
+                                 f"--save wrote") from None
+            if not isinstance(state, dict) or not all(isinstance(v, Tensor) for v in state.values()):
+                raise ModelError(f"{self.label}: {str(self._torch_file)!r} is not a {{name: tensor}} state dict; "
+                                 f"pass the file --save wrote (not its .trainer sidecar)")
+            self._state = state
+        return self._state
+
+    def names(self) -> list[str]:
+        """Every tensor name the files hold."""
+        return list(self._torch_state()) if self._torch_file is not None else list(self._file_of)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """A tensor's shape, from the file's header."""
+        if self._torch_file is not None:
+            return tuple(self._torch_state()[name].shape)
+        return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
+
+    def _handle(self, file: Path) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
+        return self._handles[file]
+
+    def read(self, name: str) -> Tensor | None:
+        """The tensor ``name`` (only it is read), or ``None`` when the files do not hold it."""
+        if self._torch_file is not None:
+            t = self._torch_state().get(name)
+            return None if t is None else t.clone()
+        file = self._file_of.get(name)
+        return None if file is None else self._handle(file).get_tensor(name)
+
+    def check(self, model: nn.Module, ignore: Iterable[str] = ()) -> None:
+        """The files hold a tensor of the right shape for every entry of the model's
+        ``state_dict`` (a tied tensor under any of its names) and nothing else (``ignore``:
+        regular expressions of names the model's authors let a checkpoint carry).
+
+        Raises:
+            ModelError: one line naming the missing, unexpected and mis-shaped tensors.
+        """
+        import re
+
+        held = set(self.names())
+        names_of: dict[int, list[str]] = {}
+        for name, t in model.state_dict(keep_vars=True).items():
+            names_of.setdefault(id(t), []).append(name)
+        tensors = {id(t): t for t in model.state_dict(keep_vars=True).values()}
+        missing, shaped = [], []
+        for tid, names in names_of.items():
+            found = next((n for n in names if n in held), None)
+            if found is None:
+                missing.append(names[0])
+            elif self.shape(found) != tuple(tensors[tid].shape):
+                shaped.append(f"{found} (file {list(self.shape(found))}, model {list(tensors[tid].shape)})")
+        known = {n for names in names_of.values() for n in names}
+        patterns = [re.compile(p) for p in ignore]
+        unexpected = sorted(n for n in held - known if not any(p.search(n) for p in patterns))
+        if not (missing or shaped or unexpected):
+            return
+        parts = [f"{what} {_some(items)}" for what, items in
+                 (("missing", missing), ("unexpected", unexpected), ("mis-shaped", shaped)) if items]
+        raise ModelError(f"{self.label}: the weights do not match the model {type(model).__name__}: "
+                         f"{'; '.join(parts)}; write them from this model (save_pretrained, --save) or fix the "
+                         f"model's options")
+
+
+def _some(items: list[str], shown: int = 4) -> str:
+    more = f" and {len(items) - shown} more" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def load_into(model: nn.Module, files: TensorFiles) -> None:
+    """Copy every ``state_dict`` tensor of a model built whole from ``files`` (checked first)."""
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            value = files.read(name)
+            if value is not None:
+                t.copy_(value)

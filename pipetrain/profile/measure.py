@@ -1,0 +1,355 @@
+"""The profiler's measurement: one pass over the graph, node by node, timing segments as they complete.
+
+:func:`measure_graph` walks the captured graph in its (topological) order:
+
+1. **Each node once** (:class:`_NodeRunner`): forward on detached copies of its recorded
+   inputs under saved-tensor hooks (what it keeps for backward, :mod:`~pipetrain.profile.saved`),
+   then backward from a random gradient of its differentiable outputs. Both are timed, less
+   the timer's cost (:class:`~pipetrain.profile.timing.TimerCost`); a node under
+   :data:`RERUN_BELOW` runs a second time (warm) when warm-up runs were asked for. These
+   per-node times are *estimates*: they choose the segments and split a segment's time
+   over its nodes.
+2. **Each segment as a whole** (:mod:`~pipetrain.profile.segments`), as soon as its last
+   node has run: ``warmup`` untimed runs (none when one run takes :data:`LONG_RUN`), then
+   timed runs under a :class:`~pipetrain.profile.timing.RepeatBudget` of
+   :data:`SEGMENT_BUDGET` seconds; its forward and backward are
+   :func:`~pipetrain.profile.timing.robust_seconds` of them, less the timer's cost. Each
+   node gets the segment's forward (backward) in proportion to its own estimate, so the
+   nodes of a segment add up to the segment exactly. A node whose own run takes
+   :data:`SEGMENT_BUDGET` or more is a segment of its own, and that run is its measurement
+   (the timer's cost is nothing beside it; running it again would double the profile of a
+   large model): the segment before it is timed first.
+3. **The whole model** (the check, :mod:`~pipetrain.profile.step_check`): every node as one
+   segment, timed the same way under :data:`CHECK_BUDGET`. When the whole model's
+   activations exceed ``check_memory`` bytes (:data:`CHECK_MEMORY`), the check runs on the
+   longest tail of the graph whose activations fit (:func:`check_start`), so it never
+   holds more than that: the values entering that tail are kept for it through the pass.
+
+So a profile costs about three forward + backward steps of the model, a few more for a small
+one (whose regions are repeated up to ``warmup + repeats`` times) and about two for a large
+one (each long node runs once, the check once).
+
+Memory: a node's output is freed once every node that reads it has run and its segment is
+timed (the model's outputs are kept for the loss), each run's autograd graph goes with its
+backward, and the parameters' gradients are dropped after every segment, so steps 1 and 2
+hold the values crossing the current cut plus one segment's saved tensors and gradients,
+never every node's. Step 3 holds at most ``check_memory`` bytes of activations.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch.utils import _pytree as pytree
+
+from ..errors import ProfileError
+from ..graph.capture import is_inplace_node, node_op_name
+from .progress import ProfileProgress
+from .saved import SavedBytes
+from .segments import Segment, SegmentBuilder
+from .timing import Clock, RepeatBudget, TimerCost, robust_seconds
+
+__all__ = ["Measured", "MeasureOptions", "measure_graph", "check_start", "split_time", "RERUN_BELOW", "LONG_RUN",
+           "SEGMENT_BUDGET", "CHECK_BUDGET", "CHECK_MEMORY"]
+
+#: A node whose first run (forward + backward) is shorter than this runs again for its estimate.
+RERUN_BELOW = 10e-3
+#: A region taking this long (estimated) gets no warm-up run: the node pass warmed it.
+LONG_RUN = 0.05
+#: Seconds of timed runs after which a segment is not repeated again (at least one run); a
+#: node whose own run takes this long is measured by that run.
+SEGMENT_BUDGET = 0.1
+#: The same for the whole-model check.
+CHECK_BUDGET = 1.0
+#: Activation bytes the whole-model check may hold (above: it checks the graph's tail).
+CHECK_MEMORY = 1 << 30
+#: The least estimate a node that ran counts with when a segment's time is split (seconds).
+MIN_SHARE = 1e-7
+
+Kept = tuple[int, list[str], bool]   # saved bytes, earlier nodes saved, own output saved
+
+
+@dataclass
+class Measured:
+    """What :func:`measure_graph` found: per node (forward, backward) seconds and saved
+    tensors; the checked region's (forward, backward) and its first node (None: the whole
+    model); what the loss saves; the segment count."""
+
+    times: dict[str, tuple[float, float]]
+    kept: dict[str, Kept]
+    step: tuple[float, float]
+    step_from: str | None
+    loss_saved: tuple[int, bool] | None
+    segments: int
+
+
+def check_start(compute: Sequence[torch.fx.Node], activation_bytes: Mapping[str, int], limit: float | None) -> int:
+    """Index of the first node the check runs: 0 (the whole model) when every node's
+    activations together are at most ``limit`` (None: no limit), else the start of the
+    longest tail that fits (at least the last node)."""
+    if limit is None:
+        return 0
+    total, start = 0, len(compute)
+    while start > 0 and total + activation_bytes.get(compute[start - 1].name, 0) <= limit:
+        start -= 1
+        total += activation_bytes.get(compute[start].name, 0)
+    return min(start, len(compute) - 1) if compute else 0
+
+
+def _as_leaf(t: torch.Tensor) -> torch.Tensor:
+    """A graph-free copy of a value that keeps whether it needs a gradient."""
+    return t.detach().requires_grad_(t.requires_grad)
+
+
+def leafify(value: Any) -> Any:
+    return pytree.tree_map(lambda t: _as_leaf(t) if isinstance(t, torch.Tensor) else t, value)
+
+
+def _fresh_clone(t: torch.Tensor) -> torch.Tensor:
+    """An input for an in-place node: a private copy (non-leaf if it needs a gradient)."""
+    leaf = t.detach().clone().requires_grad_(t.requires_grad)
+    return leaf.clone() if leaf.requires_grad else leaf
+
+
+class _Values:
+    """The recorded value of every node still to be read (module docstring, memory)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, saved: SavedBytes) -> None:
+        self.env: dict[str, Any] = {}
+        self.saved = saved
+        self.readers = {n.name: sum(1 for u in n.users if u.op != "output") for n in gm.graph.nodes}
+        # the model's outputs (read by the loss) and its parameters and buffers are never freed
+        self.pinned = {n.name for n in gm.graph.nodes
+                       if n.op == "get_attr" or any(u.op == "output" for u in n.users)}
+        self.dead: list[str] = []
+
+    def put(self, node: torch.fx.Node, value: Any) -> None:
+        self.env[node.name] = value
+        if node.op != "get_attr":
+            self.saved.register(node.name, value)
+        if self.readers[node.name] == 0:
+            self.dead.append(node.name)
+
+    def __getitem__(self, name: str) -> Any:
+        return self.env[name]
+
+    def read_by(self, node: torch.fx.Node) -> None:
+        """``node`` has run: inputs it was the last reader of become free."""
+        for src in node.all_input_nodes:
+            self.readers[src.name] -= 1
+            if self.readers[src.name] == 0:
+                self.dead.append(src.name)
+
+    def release(self) -> None:
+        """Free the values no node still to run reads (the model's outputs stay)."""
+        for name in self.dead:
+            if name in self.env and name not in self.pinned:
+                self.saved.release(self.env.pop(name))
+        self.dead = []
+
+
+class _NodeRunner:
+    """Runs one node on its recorded inputs: estimates, saved bytes and its output."""
+
+    def __init__(self, gm: torch.fx.GraphModule, clock: Clock, cost: TimerCost, rerun: bool) -> None:
+        self.gm, self.clock, self.cost, self.rerun = gm, clock, cost, rerun
+        self.interp = torch.fx.Interpreter(gm)
+
+    def _args(self, node: torch.fx.Node, values: _Values, inplace: bool) -> tuple[Any, Any]:
+        prepare = _fresh_clone if inplace else _as_leaf
+
+        def load(src: torch.fx.Node) -> Any:
+            value = values[src.name]
+            if src.op == "get_attr":
+                return value  # parameters themselves: their gradients are part of backward
+            return pytree.tree_map(lambda t: prepare(t) if isinstance(t, torch.Tensor) else t, value)
+
+        return torch.fx.node.map_arg(node.args, load), torch.fx.node.map_arg(node.kwargs, load)
+
+    def _once(self, node: torch.fx.Node, values: _Values, saved: SavedBytes | None
+              ) -> tuple[float, float | None, Any, Kept | None]:
+        args, kwargs = self._args(node, values, is_inplace_node(node, self.gm))
+        call = getattr(self.interp, node.op)
+
+        def forward() -> Any:
+            with torch.enable_grad():
+                return call(node.target, args, kwargs)
+
+        t0 = self.clock.now()
+        if saved is not None:
+            out, nbytes, ins, own = saved.measure(forward)
+            kept: Kept | None = (nbytes, ins, own)
+        else:
+            out, kept = forward(), None
+        t1 = self.clock.now()
+        diff = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not diff:
+            return t1 - t0, None, out, kept
+        grads = [torch.randn_like(t) for t in diff]
+        t2 = self.clock.now()
+        try:
+            torch.autograd.backward(diff, grads)
+        except RuntimeError as e:
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise ProfileError(
+                f"node {node.name!r} ({node_op_name(node, self.gm)}) has no usable backward: {first}; "
+                "a model must be differentiable to be trained; replace that operation") from None
+        return t1 - t0, self.clock.now() - t2, out, kept
+
+    def run(self, node: torch.fx.Node, values: _Values, saved: SavedBytes) -> tuple[float, float | None, Any, Kept]:
+        """(forward estimate, backward estimate or None without a gradient, output, saved)."""
+        f, b, out, kept = self._once(node, values, saved)
+        assert kept is not None
+        if self.rerun and f + (b or 0.0) < RERUN_BELOW:
+            f, b, _, _ = self._once(node, values, None)
+        fn, bn = self.cost.net(f, b)
+        return fn, (bn if b is not None else None), out, kept
+
+
+def _time_region(run: Callable[[], tuple[float, float | None]], budget: RepeatBudget, estimate: float,
+                 cost: TimerCost) -> tuple[float, float]:
+    """Robust (forward, backward) seconds of ``run`` under ``budget``, less the timer's cost."""
+    for _ in range(budget.warmups(estimate)):
+        run()
+    fwd: list[float] = []
+    bwd: list[float] = []
+    total: list[float] = []
+    while budget.more(total):
+        f, b = run()
+        fwd.append(f)
+        bwd.append(b or 0.0)
+        total.append(f + (b or 0.0))
+    diff = any(b > 0 for b in bwd)
+    return cost.net(robust_seconds(fwd), robust_seconds(bwd) if diff else None)
+
+
+def _shares(weights: Sequence[float], fallback: Sequence[float]) -> list[float]:
+    """``weights`` normalised to sum 1 (else ``fallback``'s, else equal shares)."""
+    for w in (weights, fallback):
+        total = math.fsum(w)
+        if total > 0:
+            return [x / total for x in w]
+    return [1.0 / len(weights)] * len(weights) if weights else []
+
+
+def split_time(names: Sequence[str], forward: float, backward: float,
+           estimates: dict[str, tuple[float, float | None]]) -> dict[str, tuple[float, float]]:
+    """A segment's seconds over its nodes in proportion to their estimates (module docstring, 2)."""
+    fe = [max(estimates[n][0], MIN_SHARE) for n in names]
+    be = [0.0 if estimates[n][1] is None else max(float(estimates[n][1] or 0.0), MIN_SHARE) for n in names]
+    fs, bs = _shares(fe, fe), _shares(be, fe)
+    return {n: (forward * f, backward * b) for n, f, b in zip(names, fs, bs)}
+
+
+@dataclass(frozen=True)
+class MeasureOptions:
+    """Repeats of :func:`measure_graph`, what the check may hold (module docstring) and
+    whether progress is shown."""
+
+    warmup: int
+    repeats: int
+    progress: bool = False
+    check_memory: float | None = CHECK_MEMORY
+
+
+class _GraphPass:
+    """The walk of :func:`measure_graph`: nodes one by one, each segment timed once complete."""
+
+    def __init__(self, gm: torch.fx.GraphModule, device: torch.device, options: MeasureOptions,
+                 activation_bytes: Mapping[str, int]) -> None:
+        self.gm, self.options = gm, options
+        self.clock = Clock(device)
+        self.cost = TimerCost.measure(self.clock, device)
+        self.saved = SavedBytes(gm)
+        self.values = _Values(gm, self.saved)
+        self.runner = _NodeRunner(gm, self.clock, self.cost, rerun=options.warmup > 0)
+        self.budget = RepeatBudget(options.warmup, options.repeats, SEGMENT_BUDGET, LONG_RUN)
+        self.compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+        self.following = dict(zip(self.compute, [*self.compute[1:], None]))
+        self.estimates: dict[str, tuple[float, float | None]] = {}
+        self.times: dict[str, tuple[float, float]] = {}
+        self.kept: dict[str, Kept] = {}
+        self.builder = SegmentBuilder()
+        self.segments = 0
+        self.params = list(gm.parameters())
+        self.checked = self.compute[check_start(self.compute, activation_bytes, options.check_memory):]
+        inside = set(self.checked)
+        self.values.pinned |= {a.name for n in self.checked for a in n.all_input_nodes if a not in inside}
+
+    def node(self, node: torch.fx.Node) -> None:
+        """Run ``node`` alone (step 1); time its segment if it completes one (step 2)."""
+        f, b, out, self.kept[node.name] = self.runner.run(node, self.values, self.saved)
+        self.estimates[node.name] = (f, b)
+        self.values.put(node, leafify(out))
+        self.values.read_by(node)
+        if f + (b or 0.0) >= SEGMENT_BUDGET:  # measured by its own run (module docstring, 2)
+            if self.builder.nodes:
+                self._segment(self.builder.take())
+            self.times[node.name] = (f, b or 0.0)
+            self.segments += 1
+            self._done()
+            return
+        self.builder.add(node, f + (b or 0.0))
+        if self.builder.complete(self.following[node]):
+            self._segment(self.builder.take())
+
+    def _segment(self, nodes: list[torch.fx.Node]) -> None:
+        segment = Segment(self.gm, nodes, self.clock)
+        estimate = math.fsum(f + (b or 0.0) for f, b in (self.estimates[n.name] for n in nodes))
+        sf, sb = _time_region(lambda: segment.run(self.values.__getitem__), self.budget, estimate, self.cost)
+        self.times.update(split_time([n.name for n in nodes], sf, sb, self.estimates))
+        self.segments += 1
+        self._done()
+
+    def _done(self) -> None:
+        """A segment is measured: free what no later node reads, and the gradients."""
+        self.values.release()
+        for p in self.params:
+            p.grad = None
+
+    def run(self, inputs: Sequence[Any], loss: Callable[[SavedBytes, Any], tuple[int, bool] | None] | None,
+            progress: ProfileProgress) -> Measured:
+        feed = iter([leafify(x) for x in inputs])
+        loss_saved = None
+        for node in self.gm.graph.nodes:
+            if node.op == "placeholder":
+                self.values.put(node, next(feed))
+            elif node.op == "get_attr":
+                self.values.put(node, self.runner.interp.fetch_attr(str(node.target)))
+            elif node.op == "output":
+                if loss is not None:
+                    loss_saved = loss(self.saved, torch.fx.node.map_arg(node.args[0], lambda n: self.values[n.name]))
+            else:
+                self.node(node)
+                progress.advance()
+        step = self._check()
+        progress.advance()
+        step_from = self.checked[0].name if self.checked and self.checked[0] is not self.compute[0] else None
+        return Measured(self.times, self.kept, step, step_from, loss_saved, self.segments)
+
+    def _check(self) -> tuple[float, float]:
+        """The checked region as one segment: its (forward, backward) seconds (module docstring, 3)."""
+        if not self.checked:
+            return 0.0, 0.0
+        region = Segment(self.gm, self.checked, self.clock)
+        budget = RepeatBudget(min(self.options.warmup, 1), self.options.repeats, CHECK_BUDGET, LONG_RUN)
+        estimate = math.fsum(sum(self.times.get(n.name, (0.0, 0.0))) for n in self.checked)
+        return _time_region(lambda: region.run(self.values.__getitem__), budget, estimate, self.cost)
+
+
+def measure_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], device: torch.device, options: MeasureOptions,
+                  loss: Callable[[SavedBytes, Any], tuple[int, bool] | None] | None = None,
+                  activation_bytes: Mapping[str, int] | None = None) -> Measured:
+    """Measure every node of ``gm`` on ``inputs`` (module docstring). ``loss(saved, output)``
+    measures what the loss saves, on the model's output; ``activation_bytes`` (per node)
+    chooses the check's region (none given: the whole model)."""
+    walk = _GraphPass(gm, device, options, activation_bytes or {})
+    progress = ProfileProgress(len(walk.compute) + 1, enabled=options.progress)
+    try:
+        return walk.run(inputs, loss, progress)
+    finally:
+        progress.close()

@@ -1,0 +1,140 @@
+"""``--schedule auto`` through the measurement cache (pipetrain.auto.measured): a second resolve
+of the same run profiles nothing, ``--no-cache`` measures again, another model option is
+another profile, and the loopback calibration is measured once per rank count."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_calibrated import MBIT, make_cal
+
+import pipetrain.auto.stage_timing as stage_timing
+import pipetrain.cluster.measure as cluster_measure
+import pipetrain.profile.profiler as profiler
+from pipetrain.auto.choose import choose
+from pipetrain.auto.measured import AutoMeasurements
+from pipetrain.graph import capture
+from pipetrain.job import TrainConfig
+from pipetrain.models import TINY_OPTIONS, get_model
+from pipetrain.profile.cache import MeasurementCache
+from pipetrain.run.resolve import resolve_run
+
+pytestmark = pytest.mark.timeout(300)
+
+OPTIONS = dict(TINY_OPTIONS["mlp"], depth=4, width=64)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+class Counts:
+    """Calls of the profiler, the stage timer and the loopback calibration."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.profiles = self.stages = self.calibrations = 0
+        real_profile, real_stages = profiler.profile_captured, stage_timing.stage_seconds
+
+        def profile(*args: Any, **kwargs: Any) -> Any:
+            self.profiles += 1
+            return real_profile(*args, **kwargs)
+
+        def stages(*args: Any, **kwargs: Any) -> Any:
+            self.stages += 1
+            return real_stages(*args, **kwargs)
+
+        def calibrate(*args: Any, **kwargs: Any) -> Any:
+            self.calibrations += 1
+            return make_cal(1000 * MBIT, ranks=int(kwargs.get("ranks", 2)))
+
+        monkeypatch.setattr(profiler, "profile_captured", profile)
+        monkeypatch.setattr(stage_timing, "stage_seconds", stages)
+        monkeypatch.setattr(cluster_measure, "calibrate", calibrate)
+
+    def take(self) -> tuple[int, int, int]:
+        out = (self.profiles, self.stages, self.calibrations)
+        self.profiles = self.stages = self.calibrations = 0
+        return out
+
+
+def auto_config(tmp_path: Path, **changes: Any) -> TrainConfig:
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps(make_cal(1000 * MBIT).to_dict()))
+    fields: dict[str, Any] = dict(model="mlp", model_options=OPTIONS, workers=2, schedule="auto", batch_size=16,
+                                  steps=4, calibration=str(cal), microbatches=2)
+    fields.update(changes)
+    return TrainConfig.of(**fields)
+
+
+def test_a_second_resolve_profiles_nothing(tmp_path: Path, private_cache: Path, monkeypatch: pytest.MonkeyPatch
+                                           ) -> None:
+    counts = Counts(monkeypatch)
+    first = resolve_run(auto_config(tmp_path))
+    profiles, stages, _ = counts.take()
+    assert profiles >= 1 and stages >= 1
+    assert {p.parent.name for p in private_cache.glob("*/*.json")} >= {"profile", "stage-times", "optimizer-step"}
+    again = resolve_run(auto_config(tmp_path))
+    assert counts.take() == (0, 0, 0)
+    assert again.plan is not None and first.plan is not None and again.plan.config == first.plan.config
+    assert (again.config.parallel.schedule, again.microbatches) == (first.config.parallel.schedule, first.microbatches)
+    assert again.plan.extra["auto"]["candidates"] == first.plan.extra["auto"]["candidates"]
+
+
+def test_no_cache_measures_again_and_writes_nothing(tmp_path: Path, private_cache: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = Counts(monkeypatch)
+    resolve_run(auto_config(tmp_path))
+    counts.take()
+    before = sorted(private_cache.glob("*/*.json"))
+    resolve_run(auto_config(tmp_path, cache=False))
+    profiles, stages, _ = counts.take()
+    assert profiles >= 1 and stages >= 1
+    assert sorted(private_cache.glob("*/*.json")) == before
+
+
+def test_another_model_option_is_another_profile(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = Counts(monkeypatch)
+    resolve_run(auto_config(tmp_path))
+    counts.take()
+    resolve_run(auto_config(tmp_path, model_options=dict(OPTIONS, width=96)))
+    assert counts.take()[0] >= 1
+    resolve_run(auto_config(tmp_path, model_options=dict(OPTIONS, width=96)))
+    assert counts.take()[0] == 0
+
+
+def model_at(samples: int) -> tuple[Any, tuple[Any, ...]]:
+    torch.manual_seed(0)
+    b = get_model("mlp", batch_size=samples, **OPTIONS)
+    return capture(b.model, b.example_inputs), tuple(b.make_batch(samples, torch.Generator().manual_seed(0))[0])
+
+
+def test_the_loopback_calibration_is_measured_once_per_rank_count(monkeypatch: pytest.MonkeyPatch) -> None:
+    counts = Counts(monkeypatch)
+    kwargs: dict[str, Any] = dict(batch_size=16, workers=2, model_name="mlp", repeats=1, schedules=["flush"],
+                                  microbatches=2, cache_key={"model": "mlp", "options": OPTIONS})
+    first = choose(model_at, cache=MeasurementCache(), **kwargs)
+    assert counts.take()[2] == 1
+    again = choose(model_at, cache=MeasurementCache(), **kwargs)
+    assert counts.take() == (0, 0, 0)
+    assert again.costs == first.costs and again.best.predicted_time == first.best.predicted_time
+    choose(model_at, cache=MeasurementCache(enabled=False), **kwargs)
+    assert counts.take()[2] == 1
+    measured = AutoMeasurements(MeasurementCache(), None, {})
+    measured.calibration(3, lambda: make_cal(1000 * MBIT, ranks=3))   # another rank count: its own entry
+    assert measured.cache is not None and measured.cache.misses == 1
+
+
+def test_without_a_model_key_only_the_calibration_is_kept(private_cache: Path, monkeypatch: pytest.MonkeyPatch
+                                                          ) -> None:
+    counts = Counts(monkeypatch)
+    kwargs: dict[str, Any] = dict(batch_size=16, workers=2, model_name="mlp", repeats=1, schedules=["flush"],
+                                  microbatches=2, cache=MeasurementCache())
+    choose(model_at, **kwargs)
+    choose(model_at, **kwargs)
+    profiles, _, calibrations = counts.take()
+    assert profiles == 2 and calibrations == 1
+    assert {p.parent.name for p in private_cache.glob("*/*.json")} == {"calibration", "optimizer-step"}

@@ -1,0 +1,184 @@
+"""Pretrained weights per stage: ``--model hf:DIR`` (a directory ``save_pretrained`` wrote) and
+``--init-from PATH``; every rank reads only its own tensors, bad input is one line."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+from pipetrain.errors import ModelError  # noqa: E402
+from pipetrain.job import OptimizerConfig, TrainConfig  # noqa: E402
+from pipetrain.job.model import build_stages, load_bundle, stage_tensor_names  # noqa: E402
+from pipetrain.models import TINY_OPTIONS  # noqa: E402
+from pipetrain.models.pretrained import TensorFiles  # noqa: E402
+from pipetrain.run import resolve_run  # noqa: E402
+from pipetrain.run.checks import preflight  # noqa: E402
+from pipetrain.runtime import launch_local, train_one_process  # noqa: E402
+
+pytestmark = pytest.mark.timeout(240)
+TIMEOUT = 60
+SEQ = 16
+
+
+def llama(tmp: Path, name: str = "llama", tie: bool = False, **save: Any) -> Path:
+    """A tiny ``LlamaForCausalLM`` written by ``save_pretrained`` (weights from seed 11)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                         tie_word_embeddings=tie)
+    torch.manual_seed(11)
+    path = tmp / name
+    LlamaForCausalLM(config).save_pretrained(path, **save)
+    return path
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        out.update(load_file(f))
+    return out
+
+
+def cfg(model: str, workers: int = 1, config: str | None = None, **kw: Any) -> TrainConfig:
+    base: dict[str, Any] = dict(model=model, model_options={"seq_len": SEQ}, workers=workers, config=config,
+                                schedule="flush", batch_size=4, microbatches=2, steps=2, return_state=True,
+                                timeout=TIMEOUT, quiet=True, optimizer=OptimizerConfig("sgd", lr=0.1, momentum=0.9))
+    base.update(kw)
+    return TrainConfig.of(**base)
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded", "tied"])
+def test_model_starts_from_the_directory_weights(tmp_path: Path, layout: str) -> None:
+    path = (llama(tmp_path, max_shard_size="20KB") if layout == "sharded" else
+            llama(tmp_path, tie=layout == "tied"))
+    files = weights(path)
+    if layout == "sharded":
+        assert len(list(path.glob("model-*-of-*.safetensors"))) > 1 and (path / "model.safetensors.index.json").exists()
+    model = load_bundle(cfg(f"hf:{path}"), 4).model
+    assert type(model).__name__ == "LlamaForCausalLM"
+    state = model.state_dict()
+    for name, t in files.items():
+        assert torch.equal(state[name], t), name
+    if layout == "tied":  # the file holds the embedding once; the head is the same tensor
+        assert "lm_head.weight" not in files and model.lm_head.weight is model.model.embed_tokens.weight
+
+
+def test_each_rank_reads_only_its_own_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = llama(tmp_path)
+    run = resolve_run(cfg(f"hf:{path}", 2, "1-1"))
+    read: list[str] = []
+    original = TensorFiles.read
+
+    def spy(self: TensorFiles, name: str) -> torch.Tensor | None:
+        read.append(name)
+        return original(self, name)
+
+    monkeypatch.setattr(TensorFiles, "read", spy)
+    staged = build_stages(run, [1])
+    mine = stage_tensor_names(staged.captured.gm, staged.partition, [1])
+    persistent = set(weights(path))
+    assert persistent & mine and set(read) <= mine  # stage 1's tensors, and only those
+    assert set(read) >= persistent & mine
+    assert staged.bundle.model.model.embed_tokens.weight.is_meta  # stage 0's: never allocated here
+
+
+def test_training_at_a_negligible_rate_keeps_the_directory_weights(tmp_path: Path) -> None:
+    path = llama(tmp_path)
+    files = weights(path)
+    [r] = launch_local([resolve_run(cfg(f"hf:{path}", 2, "1-1", optimizer=OptimizerConfig("sgd", lr=1e-12)))],
+                       timeout=TIMEOUT)
+    assert set(files) <= set(r.state)  # named as in the directory
+    for name, t in files.items():
+        assert torch.allclose(r.state[name], t, rtol=0, atol=1e-9), name
+
+
+def test_flush_on_two_stages_equals_one_worker(tmp_path: Path) -> None:
+    path = llama(tmp_path)
+    [two] = launch_local([resolve_run(cfg(f"hf:{path}", 2, "1-1"))], timeout=TIMEOUT)
+    one = train_one_process(resolve_run(cfg(f"hf:{path}")))
+    assert two.losses == pytest.approx(one.losses, rel=1e-5)
+    for name, t in one.state.items():
+        err = float((two.state[name] - t).abs().max() / (t.abs().max() + 1e-6))
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+    files = weights(path)
+    assert not torch.allclose(one.state["lm_head.weight"], files["lm_head.weight"], atol=1e-4)  # it trained
+
+
+def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
+    text = str(exc.value)
+    assert "\n" not in text
+    return text
+
+
+def test_not_a_model_directory_is_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ModelError) as e:
+        preflight(cfg(f"hf:{tmp_path / 'nowhere'}"))
+    assert "does not exist, so it is not a Hugging Face model directory" in _one_line(e)
+    with pytest.raises(ModelError) as e:
+        preflight(cfg(f"hf:{tmp_path}"))
+    assert "has no config.json" in _one_line(e)
+
+
+def test_model_class_not_installed_is_one_line(tmp_path: Path) -> None:
+    path = llama(tmp_path)
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["NoSuchModelForCausalLM"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelError) as e:
+        preflight(cfg(f"hf:{path}"))
+    assert "config.json names the model class 'NoSuchModelForCausalLM', which transformers" in _one_line(e)
+
+
+def test_missing_and_misshaped_tensors_are_one_line(tmp_path: Path) -> None:
+    path = llama(tmp_path)
+    files = weights(path)
+    del files["model.norm.weight"]
+    files["lm_head.weight"] = torch.zeros(65, 32)
+    files["extra.weight"] = torch.zeros(2)
+    save_file(files, str(path / "model.safetensors"))
+    with pytest.raises(ModelError) as e:
+        preflight(cfg(f"hf:{path}"))
+    assert _one_line(e) == (
+        f"--model hf:{path}: the weights do not match the model LlamaForCausalLM: missing model.norm.weight; "
+        f"unexpected extra.weight; mis-shaped lm_head.weight (file [65, 32], model [64, 32]); write them from this "
+        f"model (save_pretrained, --save) or fix the model's options")
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "checkpoint"])
+def test_init_from_gives_a_zoo_model_its_weights(tmp_path: Path, kind: str) -> None:
+    options = TINY_OPTIONS["gpt"]
+    source = load_bundle(TrainConfig.of(model="gpt", model_options=options, seed=5), 2).model.state_dict()
+    source = {k: v.contiguous() for k, v in source.items()}
+    if kind == "safetensors":
+        file = tmp_path / "w.safetensors"
+        save_file(source, str(file))
+    else:
+        file = tmp_path / "w.pt"
+        torch.save(source, file)
+    model = load_bundle(TrainConfig.of(model="gpt", model_options=options, init_from=str(file)), 2).model
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, source[name]), name
+    bad = dict(source)
+    bad.pop("wte.weight")
+    save_file(bad, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ModelError, match=r"^--init-from \S+bad\.safetensors: the weights do not match the model GPT: "
+                                         r"missing wte\.weight; write them"):
+        load_bundle(TrainConfig.of(model="gpt", model_options=options, init_from=str(tmp_path / "bad.safetensors")), 2)
+
+
+def test_directory_copy_is_the_same_model(tmp_path: Path) -> None:
+    """The weights come from the files, not from the seed: another seed starts the same."""
+    path = llama(tmp_path)
+    shutil.copytree(path, tmp_path / "copy")
+    a = load_bundle(cfg(f"hf:{path}", seed=1), 4).model.state_dict()
+    b = load_bundle(cfg(f"hf:{tmp_path / 'copy'}", seed=2), 4).model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
