@@ -69,6 +69,11 @@ def register(subparsers: Any) -> None:
                    help="microbatches per minibatch (flush/2bw/gpipe memory; default 1, or chosen under auto)")
     p.add_argument("--batch-size", type=int, default=None, help="samples per minibatch (default: the profile's)")
     p.add_argument("--max-states", type=int, default=2048, help="most DAG states before coarsening (default 2048)")
+    p.add_argument("--no-recompute", dest="recompute", action="store_false",
+                   help="with --memory, never let a stage recompute its activations (by default a stage that "
+                        "would not fit otherwise does, marked \"recompute\": true in the plan)")
+    p.add_argument("--precision", default="fp32", choices=("fp32", "bf16"),
+                   help="bf16: plan with activation and wire bytes halved (train --precision bf16)")
     p.add_argument("--compare", action="store_true",
                    help="also evaluate the baselines (data parallel, uniform, by parameters, by time)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -185,7 +190,7 @@ def _plan_for_schedule(args: argparse.Namespace, profile: Any) -> _Planned:
     options = PlanOptions(straight=args.straight, cost_model=args.cost_model, num_stages=args.stages,
                           schedule=args.schedule or "pipedream",
                           microbatches=1 if args.microbatches is None else args.microbatches,
-                          max_states=args.max_states)
+                          max_states=args.max_states, recompute=args.recompute, precision=args.precision)
     cal = None
     if args.calibration is not None:
         topology, options, cal = _calibrated(args, options)
@@ -290,6 +295,19 @@ def _print_baselines(result: Plan, base: dict[str, Plan]) -> None:
         print(f"{name:<14} {cfg:<24} {_ms(b.predicted_time):>15} {b.speedup_over_data_parallel or 0:>13.3f}x")
 
 
+def _worker_memory(args: argparse.Namespace, profile: Profile, planned: _Planned) -> Any:
+    """Every worker's predicted peak under the plan's schedule and microbatches
+    (:mod:`pipetrain.plan.worker_memory`), as ``extra["worker_memory"]`` records it."""
+    from ..plan.worker_memory import memory_json, worker_memory
+
+    p, choice = planned.plan, planned.choice
+    schedule = choice.best.schedule if choice is not None else (args.schedule or "pipedream")
+    m = choice.best.microbatches if choice is not None else (args.microbatches or 1)
+    workers = worker_memory(profile, p, [p.ranks_of_stage(k) for k in range(p.num_stages)], schedule, m)
+    return memory_json(workers, planned.topology.memory_per_worker, f"profile {args.profile}, schedule {schedule}, "
+                                                                    f"{m} microbatches")
+
+
 def run(args: argparse.Namespace) -> int:
     """Plan ``PROFILE`` on the given topology, print the plan (table or JSON), optionally save it."""
     profile = _load(args)
@@ -300,6 +318,7 @@ def run(args: argparse.Namespace) -> int:
         from ..plan.calibrated import calibration_summary
 
         result.extra["calibration"] = calibration_summary(planned.calibration)
+    result.extra["worker_memory"] = _worker_memory(args, profile, planned)
     base = baselines(profile, planned.topology, args.cost_model, planned.options.cost_params) if args.compare else {}
     if args.output:
         # `pipetrain simulate PLAN` finds the profile through this path, relative to the plan file.

@@ -217,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"  bubble fraction     {result.bubble_fraction:.2%}")
     for r in range(result.num_workers):
         print(f"  rank {r}: busy {result.busy_time[r]:.6g} s, peak memory {result.peak_memory[r]:.6g} B, "
-              f"peak in flight {result.peak_in_flight[r]}, weight versions {result.peak_versions[r]}")
+              f"peak in flight {result.peak_in_flight[r]}, weight versions {result.peak_versions[r]}"
+              + (f", recompute {result.recompute_time[r]:.6g} s of it" if result.recompute_time[r] else ""))
     if args.timeline:
         print(f"timeline written to {args.timeline}")
     if args.trace:

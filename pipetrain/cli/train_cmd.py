@@ -181,4 +181,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"plan: {result.plan_source}")
     if result.saved:
         print(f"saved {result.saved} (and {result.saved}.trainer)")
+    if cfg.checkpoint.save_hf:
+        print(f"saved the Hugging Face directory {cfg.checkpoint.save_hf} (from_pretrained loads it)")
     return 0

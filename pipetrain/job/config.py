@@ -62,6 +62,8 @@ DEFAULT_SCHEDULE: str = SCHEDULE_NAMES[0]
 AUTO = "auto"
 LR_SCHEDULES = ("constant", "step", "cosine")
 DEVICES = ("cpu", "cuda")
+#: ``--precision`` values (pipetrain.runtime.engine.precision; fp16 is refused)
+PRECISIONS = ("fp32", "bf16", "fp16")
 #: Steps a run trains when neither ``--steps`` nor ``--epochs`` (nor a target on real data) says.
 DEFAULT_STEPS = 10
 #: The epochs a run that trains until its target (a target on real data, neither ``--steps``
@@ -71,7 +73,7 @@ DEFAULT_MAX_EPOCHS = 50
 __all__ = [
     "SECTIONS", "TrainConfig", "ModelSection", "ParallelSection", "TrainingSection", "OptimizerConfig",
     "CheckpointSection", "DataSection", "EvaluationSection", "OutputSection", "PerformanceSection", "DebugSection",
-    "LRSchedule", "OPTIMIZERS", "LR_SCHEDULES", "DEVICES", "AUTO", "DEFAULT_SCHEDULE", "DEFAULT_STEPS",
+    "LRSchedule", "OPTIMIZERS", "LR_SCHEDULES", "DEVICES", "PRECISIONS", "AUTO", "DEFAULT_SCHEDULE", "DEFAULT_STEPS",
     "DEFAULT_MAX_EPOCHS",
 ]
 
@@ -179,6 +181,21 @@ class OptimizerConfig:
 # --------------------------------------------------------------------------- converters
 
 
+def parse_memory(value: Any) -> float:
+    """``--memory``: bytes as a number (``2e9``) or with a unit (``2GB``, ``2GiB``), positive and finite."""
+    from ..errors import PlanError
+    from ..plan.topology import parse_quantity
+
+    try:
+        n = parse_quantity(value, "--memory") if not isinstance(value, bool) else math.nan
+    except PlanError:
+        n = math.nan
+    if not 0 < n < math.inf:
+        raise RuntimeConfigError(f"--memory takes positive bytes per worker, as a number or with a unit (2e9, 2GB, "
+                                 f"2GiB), got {value!r}; fix the value")
+    return float(n)
+
+
 def _threads(value: int | None) -> int | None:
     """``--threads 0`` means torch's default (None)."""
     return None if value == 0 else value
@@ -256,6 +273,9 @@ class ParallelSection:
     virtual_stages: int | None = setting(None, "interleaved: model chunks per rank (default 2)", type=int,
                                          schedule_option=True)
     device: str = setting("cpu", "cpu (gloo) or cuda (NCCL)", choices=DEVICES)
+    memory: float | None = setting(None, "bytes each worker may use (e.g. 2e9 or 2GiB): the launcher refuses, before "
+                                         "any worker starts, a plan whose predicted peak of a worker exceeds it",
+                                   convert=parse_memory, metavar="BYTES")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "schedule", str(self.schedule).lower())
@@ -270,6 +290,8 @@ class ParallelSection:
                 _positive_int(name, getattr(self, name))
         if self.device not in DEVICES:
             raise RuntimeConfigError(f"unknown device {self.device!r}; valid: {', '.join(DEVICES)}")
+        if self.memory is not None:
+            object.__setattr__(self, "memory", parse_memory(self.memory))
         if self.plan is not None and self.config is not None:
             raise RuntimeConfigError("give either --plan or --config, not both")
         if self.config is not None:
@@ -392,6 +414,9 @@ class TrainingSection:
     clip_grad_norm: float | None = setting(
         None, "clip gradients to this 2-norm (global for synchronous schedules, per stage for asynchronous ones)",
         type=float)
+    precision: str = setting("fp32", "fp32, or bf16: bfloat16 compute (autocast) with float32 master weights, "
+                                     "gradients and optimizer state, activations and gradients sent between stages "
+                                     "in bfloat16 (fp16 is not built)", choices=PRECISIONS)
     skip_nonfinite: bool = setting(False, "skip a step whose loss or gradient is NaN/Inf (every stage drops it; "
                                           "synchronous schedules) instead of stopping the run", kind="true")
 
@@ -504,6 +529,9 @@ class CheckpointSection:
     """
 
     save: str | None = setting(None, "write the final model state_dict (and PATH.trainer) to PATH", metavar="PATH")
+    save_hf: str | None = setting(None, "hf: models: write the final weights as a Hugging Face directory DIR "
+                                        "(sharded safetensors, one shard per rank, its index and config.json) "
+                                        "that from_pretrained loads", metavar="DIR")
     resume: str | None = setting(None, "continue from a checkpoint written by --save", metavar="PATH")
     checkpoint_dir: str | None = setting(None, "write periodic checkpoints into DIR (and resume from its latest)",
                                          metavar="DIR")
@@ -576,6 +604,9 @@ class PerformanceSection:
     measure_memory: bool = setting(False, "count the tensor memory each worker holds, by kind, and report its peak "
                                           "(tensor_peak_bytes in --json); costs time on every action, so it is off "
                                           "by default (benchmarks/run.py turns it on)", kind="true")
+    recompute: bool = setting(False, "activation recomputation: every stage keeps only its input per unit in "
+                                     "flight and recomputes its forward in the backward (same results, less "
+                                     "memory, one more forward; a plan may also mark single stages)", kind="true")
 
     def __post_init__(self) -> None:
         if not self.timeout > 0:
@@ -651,6 +682,11 @@ class TrainConfig:
                 object.__setattr__(self, attr, cls(**value))
             elif not isinstance(value, cls):
                 raise RuntimeConfigError(f"TrainConfig.{attr} must be a {cls.__name__}, got {type(value).__name__}")
+        _check_precision(self.training.precision, self.parallel.device)
+        if self.checkpoint.save_hf is not None and not self.model.name.startswith("hf:"):
+            raise RuntimeConfigError(f"--save-hf {self.checkpoint.save_hf} writes a Hugging Face directory, so it "
+                                     f"needs an hf:DIR model, got --model {self.model.name}; pass --model hf:DIR or "
+                                     f"use --save PATH")
 
     # -- flat keys ---------------------------------------------------------------------
     @classmethod
@@ -710,6 +746,21 @@ class TrainConfig:
             return v
 
         return plain(self)
+
+
+def _check_precision(precision: str, device: str) -> None:
+    """A one-line error for a precision that is not built or that ``device`` cannot compute in."""
+    if precision not in PRECISIONS:
+        raise RuntimeConfigError(f"unknown precision {precision!r}; valid: fp32, bf16")
+    if precision == "fp16":
+        raise RuntimeConfigError("--precision fp16 is not built (it needs dynamic loss scaling); pass --precision "
+                                 "bf16 (the same wire bytes, no scaling) or fp32")
+    if precision == "bf16" and device == "cuda":
+        import torch
+
+        if torch.cuda.is_available() and not torch.cuda.is_bf16_supported():
+            raise RuntimeConfigError(f"--precision bf16 needs a GPU with bfloat16 support, but "
+                                     f"{torch.cuda.get_device_name()} has none; pass --precision fp32")
 
 
 def _positive_int(name: str, value: Any, minimum: int = 1) -> None:

@@ -39,6 +39,11 @@ class Segment:
     model. The reference replay (:func:`pipetrain.runtime.reference.replay_config`) executes
     the same segments, so equality with it holds across boundaries. ``evaluate`` /
     ``checkpoint`` say which hooks run after the segment.
+
+    Asynchronous schedules are not cut at evaluation points (a drain would change the
+    algorithm): ``evals`` lists the steps inside the segment whose model is evaluated, each
+    stage's weights after its update of that step, at the segment's end
+    (:class:`pipetrain.runtime.worker.pipeline_eval.EvalSnapshots`).
     """
 
     kind: str                       # "warmup" (untimed, first) | "timed"
@@ -46,6 +51,7 @@ class Segment:
     schedule: Schedule | None = field(default=None, repr=False)   # None in one-process runs
     evaluate: bool = False          # evaluate on the eval split after this segment
     checkpoint: bool = False        # a checkpoint point after this segment (runtime.checkpoints.periodic)
+    evals: tuple[int, ...] = ()     # steps (from the run's first) inside it evaluated at its end, without a drain
 
     @property
     def timed(self) -> bool:
@@ -93,6 +99,16 @@ class ResolvedRun:
         return [list(s.nodes) for s in self.plan.stages] if self.plan is not None else []
 
     @property
+    def recompute_stages(self) -> frozenset[int]:
+        """The stages whose backward recomputes their forward: every stage with
+        ``--recompute``, else those the plan marks ``"recompute": true``."""
+        if self.plan is None:
+            return frozenset()
+        if self.config.performance.recompute:
+            return frozenset(range(self.plan.num_stages))
+        return frozenset(k for k, s in enumerate(self.plan.stages) if s.recompute)
+
+    @property
     def schedule(self) -> Schedule:
         """The timed segment's schedule."""
         sched = self.segments[-1].schedule
@@ -133,6 +149,10 @@ class ResolvedRun:
             raise RuntimeConfigError(f"segments {kinds} do not match warm-up {cfg.training.warmup_steps} and "
                                      f"steps {cfg.training.steps}")
         if self.in_process:
+            if cfg.performance.recompute:
+                raise RuntimeConfigError(
+                    "--recompute recomputes the stages of a pipeline, but this run has 1 worker (trained in one "
+                    "process, which keeps every activation); pass --workers 2 or more, or drop --recompute")
             return
         if self.plan is None:
             raise RuntimeConfigError(f"a run on {self.world_size} workers needs a plan")
@@ -159,6 +179,7 @@ class ResolvedRun:
             "plan": self.plan.to_dict() if self.plan is not None else None,
             "schedule_options": dict(self.schedule_options),
             "segments": [{"kind": s.kind, "steps": s.steps, "evaluate": s.evaluate, "checkpoint": s.checkpoint,
+                          **({"evals": list(s.evals)} if s.evals else {}),
                           "actions": (sum(len(w) for w in s.schedule.workers) if s.schedule is not None else None)}
                          for s in self.segments],
             "data": self.data.to_json() if self.data is not None else None,

@@ -20,8 +20,8 @@ from ..schedule.action import Op, Schedule
 from .config import TrainConfig
 from .resolved import ResolvedRun
 
-__all__ = ["check_boundary", "check_optimizer", "checkpoint_due", "checkpoint_steps", "cut_at", "segments_done",
-           "stage_step_count"]
+__all__ = ["check_boundary", "check_optimizer", "checkpoint_due", "checkpoint_steps", "cut_at", "inner_checkpoints",
+           "resumes_inside", "same_layout", "segments_done", "stage_step_count"]
 
 
 def stage_step_count(schedule: Schedule, stage: int) -> int:
@@ -96,6 +96,40 @@ def check_boundary(run: ResolvedRun, root: str | Path) -> int:
     check_optimizer(man, cfg)
     segments_done([s.steps for s in run.segments], man.step)
     return man.step
+
+
+def inner_checkpoints(run: ResolvedRun, seg: Any, end: int) -> list[int]:
+    """The checkpoint steps inside ``seg`` (a :class:`~pipetrain.job.resolved.Segment` ending
+    at step ``end``) of an asynchronous schedule, which the segment does not end at: there a
+    checkpoint is a consistent cut written without a drain (runtime/checkpoints/periodic.py)."""
+    ck = run.config.checkpoint
+    if run.config.synchronous or ck.checkpoint_dir is None or not ck.checkpoint_every or not seg.timed:
+        return []
+    return [t for t in range(end - seg.steps + 1, end) if t % ck.checkpoint_every == 0]
+
+
+def same_layout(info: dict[str, Any], world_size: int, run: ResolvedRun) -> bool:
+    """A checkpoint's manifest ``info`` (saved by ``world_size`` workers) is of ``run``'s layout:
+    the same workers, the same stages (node lists) and the same schedule."""
+    plan, saved = run.plan, info.get("plan") or {}
+    return (world_size == run.world_size and plan is not None
+            and saved.get("stages") == [list(s.nodes) for s in plan.stages]
+            and info.get("schedule") == run.config.parallel.schedule)
+
+
+def resumes_inside(run: ResolvedRun, info: dict[str, Any], world_size: int, step: int) -> bool:
+    """A checkpoint cut inside a segment without a drain (``"drained": false``) that ``run``
+    resumes from its own versions: same layout, and ``step`` is one of ``run``'s own inner
+    checkpoint points. Any other checkpoint is resumed as if drained at ``step``
+    (:func:`cut_at`)."""
+    if info.get("drained") is not False or not same_layout(info, world_size, run):
+        return False
+    at = 0
+    for seg in run.segments:
+        if at < step < at + seg.steps:
+            return step in inner_checkpoints(run, seg, at + seg.steps)
+        at += seg.steps
+    return False
 
 
 def cut_at(run: ResolvedRun, step: int) -> ResolvedRun:

@@ -13,6 +13,11 @@ tied. The synthetic data is next-token prediction over the config's vocabulary
 without loading the file) or from a ``torch.save`` of ``{name: tensor}`` (``--save``'s file,
 memory-mapped): a process reads only the tensors it holds. :meth:`TensorFiles.check` compares
 the files' names and shapes (their headers) with the model's before any tensor is read.
+
+Writing a directory back (``--save-hf``, :mod:`pipetrain.runtime.checkpoints.export`):
+:func:`write_shard` writes one process's tensors as ``model-0000N-of-0000M.safetensors``,
+:func:`write_index` the index and the source's config; :func:`hf_weight_names` gives the
+names the source directory stores a model's tensors by (a tied tensor under one name).
 """
 from __future__ import annotations
 
@@ -28,7 +33,8 @@ from torch import Tensor, nn
 from ..errors import ModelError
 from .bundle import LanguageModelBatches, ModelBundle, make_bundle, token_loss
 
-__all__ = ["HF_PREFIX", "TensorFiles", "build_hf", "hf_directory", "load_into"]
+__all__ = ["HF_PREFIX", "TensorFiles", "build_hf", "hf_directory", "hf_weight_names", "load_into", "shard_name",
+           "write_index", "write_shard"]
 
 HF_PREFIX = "hf:"
 SAFETENSORS = "model.safetensors"
@@ -231,3 +237,67 @@ def load_into(model: nn.Module, files: TensorFiles) -> None:
             value = files.read(name)
             if value is not None:
                 t.copy_(value)
+
+
+# --------------------------------------------------------------------------- writing a directory
+
+SHARD_PATTERN = "model-*-of-*.safetensors"
+COPIED = ("config.json", "generation_config.json")
+
+
+def shard_name(index: int, count: int) -> str:
+    """The file of shard ``index`` (from 1) of ``count``: ``model-00001-of-00004.safetensors``."""
+    return f"model-{index:05d}-of-{count:05d}.safetensors"
+
+
+def hf_weight_names(directory: str | os.PathLike[str], keys: Iterable[str]) -> list[str]:
+    """The names a Hugging Face directory's weights are stored under, among ``keys`` (a
+    model's ``state_dict`` keys, in that order): a tied tensor under the one name the
+    directory holds it by, as ``save_pretrained`` writes it (headers only, no tensor read)."""
+    held = set(TensorFiles.at(directory, f"hf:{directory}").names())
+    return [k for k in keys if k in held]
+
+
+def write_shard(directory: Path, index: int, count: int, tensors: Mapping[str, Tensor]) -> int:
+    """Write shard ``index`` of ``count`` (``tensors``, each contiguous on the CPU) atomically
+    (a temporary file, then ``os.replace``); returns its tensors' bytes."""
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True, exist_ok=True)
+    final = directory / shard_name(index, count)
+    tmp = final.with_name(f".{final.name}.tmp{os.getpid()}")
+    plain = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+    save_file(plain, str(tmp), metadata={"format": "pt"})  # "pt": what from_pretrained requires
+    os.replace(tmp, final)
+    return sum(t.numel() * t.element_size() for t in plain.values())
+
+
+def write_index(directory: Path, source: Path, weight_map: Mapping[str, str], total_size: int,
+                dtype: str | None) -> None:
+    """Finish a directory whose shards are written: ``model.safetensors.index.json``, the
+    source's ``config.json`` (its dtype set to ``dtype``, the tensors' own) and
+    ``generation_config.json``; weight files the index does not name (an earlier save's) are
+    removed, so that ``from_pretrained`` reads these shards."""
+    written = set(weight_map.values())
+    for old in [directory / SAFETENSORS, *directory.glob(SHARD_PATTERN)]:
+        if old.name not in written and old.is_file():
+            old.unlink()
+    index = {"metadata": {"total_size": int(total_size)}, "weight_map": dict(sorted(weight_map.items()))}
+    _write_text(directory / INDEX, json.dumps(index, indent=2) + "\n")
+    for name in COPIED:
+        if not (source / name).is_file() or (directory / name).resolve() == (source / name).resolve():
+            continue
+        text = (source / name).read_text()
+        if name == "config.json" and dtype is not None:
+            config = json.loads(text)
+            for key in ("torch_dtype", "dtype"):
+                if key in config:
+                    config[key] = dtype
+            text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+        _write_text(directory / name, text)
+
+
+def _write_text(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)

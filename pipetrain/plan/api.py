@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from ..errors import PlanError
 from ..profile.types import Profile
-from .cost import DEFAULT_COST_MODEL, CostParams, data_parallel_time, evaluate_detail, get_cost_model
+from .cost import DEFAULT_COST_MODEL, CostParams, data_parallel_time, evaluate_detail, get_cost_model, stage_arrays
 from .dag import Dag, States, build_states, coarsen
-from .partition import Problem, fill_idle, hierarchy_dict, leaves, solve
+from .partition import Problem, Solution, fill_idle, hierarchy_dict, leaves, solve
+from .recompute import WIRE_SCALE, precision_profile, recompute_profile
 from .stage_memory import MEMORY_SCHEDULES, MemoryModel, stage_memory
 from .topology import check_topology
 from .types import Plan, Stage, Topology
@@ -47,6 +48,10 @@ class PlanOptions:
         max_work: bound on the inner-level tables' work (about K^3 w^2 / 12 operations for
             K states and w units per server) for hierarchical topologies; K is thinned to fit.
         rel_tol: relative precision of the search on the time per minibatch.
+        recompute: with a memory limit, let the stages that would not fit otherwise recompute
+            their activations (:mod:`~pipetrain.plan.recompute`; ``Stage.recompute``), when
+            no plan fits without (``pipetrain plan`` sets it unless ``--no-recompute``).
+        precision: ``fp32`` or ``bf16`` (activation and wire bytes halved).
     """
 
     straight: bool = False
@@ -60,9 +65,13 @@ class PlanOptions:
     max_states: int = 2048
     max_work: float = 2e8
     rel_tol: float = 1e-10
+    recompute: bool = False
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         get_cost_model(self.cost_model)  # validates the name
+        if self.precision not in WIRE_SCALE:
+            raise PlanError(f"unknown precision {self.precision!r}; choose one of {', '.join(WIRE_SCALE)}")
         if self.schedule not in MEMORY_SCHEDULES:
             raise PlanError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(MEMORY_SCHEDULES)}")
         if self.num_stages is not None and (not _is_int(self.num_stages) or self.num_stages < 1):
@@ -121,6 +130,7 @@ def plan(profile: Profile, topology: Topology, options: PlanOptions | None = Non
         raise PlanError(f"plan() options must be a PlanOptions, got {type(options).__name__}; "
                         f"pass e.g. PlanOptions(straight=True)")
     check_topology(topology)
+    profile = precision_profile(profile, options.precision)
     model = get_cost_model(options.cost_model, options.cost_params)
     dag = Dag.from_profile(profile)
     N = topology.total_workers
@@ -145,27 +155,19 @@ def plan(profile: Profile, topology: Topology, options: PlanOptions | None = Non
     mem = MemoryModel(options.schedule, options.microbatches, profile.optimizer_state_bytes_per_parameter_byte)
     prob = Problem(dag=dag, states=states, model=model, topology=topology, straight=options.straight,
                    memory=mem, limit=limit, num_stages=options.num_stages, rel_tol=options.rel_tol)
-    sol = solve(prob)
-    if sol is None:
-        need = _memory_needed(prob)
-        what = f"about {need:.4g} bytes ({need / 2**30:.3g} GiB)" if math.isfinite(need) else "more than any tried"
-        note = (" (on a multi-level topology a stage with r replicas in a server is assumed to hold "
-                "ceil(N / r) minibatches, an upper bound)" if len(topology.levels) > 1 else "")
-        raise PlanError(
-            f"no plan fits in {limit:.4g} bytes per worker on {N} workers with schedule {options.schedule!r}"
-            f"{' and ' + str(options.num_stages) + ' stages' if options.num_stages else ''}; "
-            f"the smallest memory per worker that fits is {what}{note}; "
-            "raise --memory, add workers, or use a schedule that stashes less (flush, 2bw)"
-        )
+    sol, prob = _solve(prob, profile, options)
     if options.use_all_workers:
         fill_idle(prob, sol.elements)
     stages_idx = leaves(sol.elements)
     stages = [Stage(nodes=[dag.names[i] for i in states.stage_nodes(a, z)], replicas=r) for a, z, r in stages_idx]
+    timed = _mark_recompute(profile, stages, mem, limit) if prob.dag is not dag else profile
     hier = hierarchy_dict(sol.elements)
-    ev = evaluate_detail(profile, stages, topology, model, hierarchy=hier)
+    ev = evaluate_detail(timed, stages, topology, model, hierarchy=hier)
     mems = stage_memory(profile, stages, options.schedule, options.microbatches)
+    comp = stage_arrays(timed, [s.nodes for s in stages]).compute
     for k, s in enumerate(stages):
-        s.compute_time = float(states.compute[stages_idx[k][1]] - states.compute[stages_idx[k][0]])
+        s.compute_time = comp[k] if timed is not profile else float(
+            states.compute[stages_idx[k][1]] - states.compute[stages_idx[k][0]])
         s.sync_time = ev.sync[k]
         s.memory_bytes = mems[k]
     dp = data_parallel_time(profile, topology, model)
@@ -193,10 +195,58 @@ def plan(profile: Profile, topology: Topology, options: PlanOptions | None = Non
     return result
 
 
+def _solve(prob: Problem, profile: Profile, options: PlanOptions) -> tuple[Solution, Problem]:
+    """The optimal plan of ``prob``; when none fits and recomputation is allowed, that of the
+    problem where every stage recomputes (:func:`_recompute_problem`), with that problem.
+    A one-line PlanError when neither fits, stating the memory each would need."""
+    sol = solve(prob)
+    if sol is not None:
+        return sol, prob
+    rprob = _recompute_problem(prob, profile, options) if options.recompute and prob.limit is not None else None
+    if rprob is not None:
+        rsol = solve(rprob)
+        if rsol is not None:
+            return rsol, rprob
+    need = _memory_needed(prob)
+    what = f"about {need:.4g} bytes ({need / 2**30:.3g} GiB)" if math.isfinite(need) else "more than any tried"
+    if rprob is not None:
+        rneed = _memory_needed(rprob)
+        what += (f" without recomputation, about {rneed:.4g} bytes ({rneed / 2**30:.3g} GiB) with it"
+                 if math.isfinite(rneed) else " without recomputation")
+    topology, limit = prob.topology, prob.limit
+    note = (" (on a multi-level topology a stage with r replicas in a server is assumed to hold "
+            "ceil(N / r) minibatches, an upper bound)" if len(topology.levels) > 1 else "")
+    raise PlanError(
+        f"no plan fits in {limit:.4g} bytes per worker on {topology.total_workers} workers with schedule "
+        f"{options.schedule!r}{' and ' + str(options.num_stages) + ' stages' if options.num_stages else ''}; "
+        f"the smallest memory per worker that fits is {what}{note}; "
+        "raise --memory, add workers, or use a schedule that stashes less (flush, 2bw)"
+    )
+
+
+def _recompute_problem(prob: Problem, profile: Profile, options: PlanOptions) -> Problem:
+    """``prob`` with every stage recomputing: one more forward in each backward, and no
+    activation held per unit beyond the stage input (plan/recompute.py)."""
+    import numpy as np
+
+    dag = Dag.from_profile(recompute_profile(profile))
+    dag = replace(dag, act=np.where(dag.is_input, dag.act, 0.0))
+    return replace(prob, dag=dag, states=_states_for(dag, prob.topology, options))
+
+
+def _mark_recompute(profile: Profile, stages: list[Stage], mem: MemoryModel, limit: float | None) -> Profile:
+    """Mark the stages that do not fit ``limit`` without recomputation (the planner's memory
+    model); returns the profile whose times include their recompute."""
+    arr = stage_arrays(profile, [s.nodes for s in stages])
+    reps = [s.replicas for s in stages]
+    for k, s in enumerate(stages):
+        need = mem.bytes(arr.params[k], arr.act[k], arr.cuts[k], sum(reps[k:]), reps[k])
+        s.recompute = limit is not None and need > limit
+    return recompute_profile(profile, [n for s in stages if s.recompute for n in s.nodes])
+
+
 def _memory_needed(prob: Problem) -> float:
     """The smallest memory limit (within 1%) for which some plan fits, by bisection."""
-    from dataclasses import replace
-
     lo = float(prob.limit or 1.0)
     hi = lo * 2.0
     found = False

@@ -47,6 +47,26 @@ MEMORY_SCHEDULES: tuple[str, ...] = tuple(n for n, s in SCHEDULES.items() if s.m
 
 
 @dataclass(frozen=True)
+class MemoryParts:
+    """A worker's predicted bytes by kind: its weights (every version it keeps), their
+    gradients, the optimizer's state, and the activations of the units in flight (inputs
+    received included)."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    def __add__(self, other: MemoryParts) -> MemoryParts:
+        return MemoryParts(self.weights + other.weights, self.gradients + other.gradients,
+                           self.optimizer + other.optimizer, self.activations + other.activations)
+
+
+@dataclass(frozen=True)
 class MemoryModel:
     """The schedule and sizes the memory estimate depends on."""
 
@@ -89,10 +109,15 @@ class MemoryModel:
     def unit_bytes(self, act: float, inp: float) -> float:
         return (act + inp) / self.units_per_minibatch
 
+    def parts(self, params: float, act: float, inp: float, workers_from_here: int, replicas: int) -> MemoryParts:
+        """Bytes per worker of a stage, by kind (see the module docstring)."""
+        u = self.units(workers_from_here, replicas)
+        return MemoryParts(self.copies(u) * params, params, self.optimizer_state * params,
+                           u * self.unit_bytes(act, inp))
+
     def bytes(self, params: float, act: float, inp: float, workers_from_here: int, replicas: int) -> float:
         """Bytes per worker of a stage (see the module docstring)."""
-        u = self.units(workers_from_here, replicas)
-        return (self.copies(u) + 1.0 + self.optimizer_state) * params + u * self.unit_bytes(act, inp)
+        return self.parts(params, act, inp, workers_from_here, replicas).total
 
     def max_units(self, params: float, act: float, inp: float, limit: float) -> float:
         """The most in-flight units ``n`` (as counted for pipedream/flush/2bw) that fit ``limit``.
@@ -172,15 +197,20 @@ def stage_memory(profile: Profile, stages: Sequence[Stage] | Plan, schedule: str
     ``a`` is what a minibatch really holds (:func:`stage_held_bytes`: autograd's saved
     tensors when the profile measured them, the simulator's and the runtime ledger's
     accounting); ``x``, the input crossing the cut, is the receive buffers."""
+    return [p.total for p in stage_memory_parts(profile, stages, schedule, microbatches)]
+
+
+def stage_memory_parts(profile: Profile, stages: Sequence[Stage] | Plan, schedule: str = "pipedream",
+                       microbatches: int = 1) -> list[MemoryParts]:
+    """:func:`stage_memory` by kind (:class:`MemoryParts`), one per stage."""
     stage_list = stages.stages if isinstance(stages, Plan) else list(stages)
     arr = stage_arrays(profile, [s.nodes for s in stage_list])
     act = stage_held_bytes(profile, [s.nodes for s in stage_list]) if profile.has_saved_bytes else list(arr.act)
+    # a recomputing stage holds only its input per unit in flight (plan/recompute.py)
+    act = [0.0 if s.recompute else a for s, a in zip(stage_list, act)]
     model = MemoryModel(schedule, microbatches, profile.optimizer_state_bytes_per_parameter_byte)
     reps = [int(s.replicas) for s in stage_list]
-    out = []
-    for k in range(len(stage_list)):
-        out.append(model.bytes(arr.params[k], act[k], arr.cuts[k], sum(reps[k:]), reps[k]))
-    return out
+    return [model.parts(arr.params[k], act[k], arr.cuts[k], sum(reps[k:]), reps[k]) for k in range(len(stage_list))]
 
 
 def max_units_array(model: MemoryModel, params: ArrayLike, act: ArrayLike, inp: ArrayLike,

@@ -153,8 +153,11 @@ def _node_lists(stages: Plan | Sequence[Stage] | Sequence[Sequence[str]]) -> lis
 
 
 def plan_cut_bytes(stages: Plan | Sequence[Stage] | Sequence[Sequence[str]], profile: Profile,
-                   unit_samples: int) -> list[CutBytes]:
+                   unit_samples: int, wire_scale: float = 1.0) -> list[CutBytes]:
     """What one unit of ``unit_samples`` samples moves across every cut of ``stages``.
+
+    ``wire_scale``: the wire bytes of a layer's output per profiled byte (0.5 with
+    ``--precision bf16``: float32 outputs travel as bfloat16; model inputs travel as they are).
 
     ``stages``: a Plan, its stages, or their node lists. Model inputs not listed belong to
     stage 0. Relay: an output produced in stage ``i`` and last read in stage ``j`` crosses
@@ -184,10 +187,11 @@ def plan_cut_bytes(stages: Plan | Sequence[Stage] | Sequence[Sequence[str]], pro
     act = [0] * ncuts
     grad = [0] * ncuts
     for nd in profile.nodes:
+        size = nd.activation_bytes if nd.is_input else int(nd.activation_bytes * wire_scale)
         for cut in range(where[nd.name], last_reader.get(nd.name, -1)):
-            act[cut] += nd.activation_bytes
+            act[cut] += size
             if not nd.is_input:
-                grad[cut] += nd.activation_bytes
+                grad[cut] += size
     return [CutBytes(_per_unit(a, unit_samples, batch), _per_unit(g, unit_samples, batch)) for a, g in zip(act, grad)]
 
 
@@ -199,7 +203,7 @@ def plan_stage_param_bytes(stages: Plan | Sequence[Stage] | Sequence[Sequence[st
 
 
 def plan_traffic(plan: Plan, profile: Profile, schedule: Schedule, unit_samples: int | None = None, *,
-                 global_clip: bool = False) -> dict[int, Traffic]:
+                 global_clip: bool = False, wire_scale: float = 1.0) -> dict[int, Traffic]:
     """:func:`predict_traffic` of ``schedule`` with the cut and parameter sizes of ``plan`` from ``profile``.
 
     ``unit_samples`` defaults to ``profile.batch_size // schedule.microbatches`` (the profile's
@@ -212,5 +216,5 @@ def plan_traffic(plan: Plan, profile: Profile, schedule: Schedule, unit_samples:
         if not profile.batch_size:
             raise PlanError(f"profile of {profile.model!r} has no batch size; pass unit_samples")
         unit_samples = max(1, profile.batch_size // max(1, schedule.microbatches))
-    return predict_traffic(schedule, plan_cut_bytes(plan, profile, unit_samples),
+    return predict_traffic(schedule, plan_cut_bytes(plan, profile, unit_samples, wire_scale),
                            plan_stage_param_bytes(plan, profile), global_clip=global_clip)

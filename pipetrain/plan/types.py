@@ -48,6 +48,8 @@ class Stage:
 
     ``compute_time`` (forward+backward seconds of one minibatch), ``memory_bytes`` (per
     worker) and ``sync_time`` are the planner's predictions, filled where known.
+    ``recompute``: the stage keeps only its input per unit in flight and recomputes its
+    forward in the backward (the planner sets it where the stage would not fit otherwise).
     """
 
     nodes: list[str]
@@ -55,6 +57,7 @@ class Stage:
     compute_time: float | None = None
     sync_time: float | None = None
     memory_bytes: float | None = None
+    recompute: bool = False
 
 
 @dataclass
@@ -109,6 +112,9 @@ class Plan:
     # -- JSON --------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for s in d["stages"]:  # "recompute" only where a stage recomputes
+            if not s["recompute"]:
+                del s["recompute"]
         d["config"] = self.config
         d["speedup_over_data_parallel"] = self.speedup_over_data_parallel
         return d
@@ -140,7 +146,7 @@ class Plan:
         raw = d["stages"]
         if not isinstance(raw, list) or not raw:
             raise PlanError(f"{source}: field 'stages' must be a non-empty list of stages, got {raw!r:.80}; {hint}")
-        fields = {"nodes", "replicas", "compute_time", "sync_time", "memory_bytes"}
+        fields = {"nodes", "replicas", "compute_time", "sync_time", "memory_bytes", "recompute"}
         stages = []
         for k, s in enumerate(raw):
             if not isinstance(s, dict):
@@ -158,6 +164,9 @@ class Plan:
             if isinstance(r, bool) or not isinstance(r, int) or r < 1:
                 raise PlanError(f"{source}: stage {k} has replicas={r!r}; a replica count must be an integer "
                                 f">= 1; fix the plan")
+            if not isinstance(s.get("recompute", False), bool):
+                raise PlanError(f"{source}: stage {k} has recompute={s['recompute']!r}; it must be true or false; "
+                                f"fix the plan")
             stages.append(Stage(**s))
         topo = d.get("topology")
         topology = None

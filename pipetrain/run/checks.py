@@ -63,6 +63,8 @@ def check_output_paths(cfg: TrainConfig) -> None:
                 f"--save {save}: {str(which)!r} is a directory, but --save writes the checkpoint file PATH and "
                 f"PATH.trainer; pass a file name, e.g. --save {path / 'checkpoint.pt'}")
         _probe_dir("--save", save, path.parent)
+    if cfg.checkpoint.save_hf is not None:
+        _check_save_hf(cfg.checkpoint.save_hf, cfg.model.name)
     if trace is not None:
         path = Path(trace)
         if path.exists() and not path.is_dir():
@@ -78,6 +80,19 @@ def check_output_paths(cfg: TrainConfig) -> None:
             raise RuntimeConfigError(f"--log-dir {log_dir}: {str(path)!r} is an existing file, but --log-dir takes a "
                                      f"directory (metrics.jsonl, config.json, ... go into it); pass a directory name")
         _probe_dir("--log-dir", log_dir, path)
+
+
+def _check_save_hf(out: str, model: str) -> None:
+    """``--save-hf DIR``: a directory (created if missing), writable, not the ``hf:`` one read."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise RuntimeConfigError(f"--save-hf {out}: {str(path)!r} is an existing file, but --save-hf writes a "
+                                 f"Hugging Face directory (shards, index, config.json); pass a directory name")
+    source = Path(model.removeprefix("hf:")).expanduser()
+    if path.exists() and source.exists() and path.resolve() == source.resolve():
+        raise RuntimeConfigError(f"--save-hf {out} is the directory --model {model} reads its weights from; pass "
+                                 f"another directory (the trained weights go there, the pretrained ones stay)")
+    _probe_dir("--save-hf", out, path)
 
 
 def _describe(ts: Any) -> str:

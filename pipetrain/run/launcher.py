@@ -123,7 +123,7 @@ def _check_checkpointing(run: ResolvedRun) -> ResolvedRun:
             f"--checkpoint-dir {ck.checkpoint_dir} needs a pipeline run of 2 or more workers (one-process runs write "
             f"only --save); pass --workers 2 or more, or use --save/--resume")
     from ..checkpoint import read_manifest, resume_point, set_aside
-    from ..job.segments import check_boundary, cut_at
+    from ..job.segments import check_boundary, cut_at, resumes_inside
 
     if ck.restart and first_attempt():
         moved = set_aside(ck.checkpoint_dir)
@@ -132,7 +132,10 @@ def _check_checkpointing(run: ResolvedRun) -> ResolvedRun:
                                                    "starts from step 0", ck.checkpoint_dir, moved)
     latest = resume_point(ck.checkpoint_dir)
     if latest is not None:
-        run = cut_at(run, read_manifest(latest).step)
+        man = read_manifest(latest)
+        if resumes_inside(run, man.info, man.world_size, man.step):
+            return run  # an asynchronous cut of this layout: the workers resume its versions where it was cut
+        run = cut_at(run, man.step)
     check_boundary(run, ck.checkpoint_dir)
     return run
 

@@ -46,7 +46,7 @@ from ..plan.types import Plan
 log = logging.getLogger(__name__)
 
 __all__ = ["resolve_run", "resolve_with_bundle", "resolve_batch_size", "implied_workers", "ONE_PROCESS_NOTE",
-           "resolve_data", "resolve_length", "segment_plan"]
+           "resolve_data", "resolve_length", "segment_plan", "inner_evals"]
 
 ONE_PROCESS_NOTE = "one process (plain training with torch.optim)"
 
@@ -417,19 +417,26 @@ def _data_spec(cfg: TrainConfig, source: Any, batch: int, unit_batch: int) -> Da
 
 
 def segment_plan(steps: int, warmup: int, eval_every: int | None, checkpoint_every: int | None,
-                 checkpoint_end: bool = False) -> list[tuple[str, int, bool, bool]]:
+                 checkpoint_end: bool = False, cut_evals: bool = True,
+                 stop_every: int | None = None, cut_checkpoints: bool = True) -> list[tuple[str, int, bool, bool]]:
     """The segments of a run as ``(kind, steps, evaluate, checkpoint)``: the warm-up (if any),
     then the timed steps cut at every multiple of ``eval_every`` and of ``checkpoint_every``
     and at the end. Steps are counted from the run's first minibatch, warm-up included (the
     count :func:`pipetrain.job.segments.checkpoint_due` uses). The end evaluates when
-    ``eval_every`` is set and checkpoints when ``checkpoint_end``.
+    ``eval_every`` is set and checkpoints when ``checkpoint_end``. ``cut_evals=False``
+    (asynchronous schedules): evaluation points do not cut (:func:`inner_evals` lists them);
+    ``cut_checkpoints=False`` (the same): nor do checkpoint points (the worker writes them
+    inside the segment, :class:`pipetrain.runtime.checkpoints.periodic.CutCheckpoints`);
+    ``stop_every``: also cut at its multiples, where a run with a target can stop.
 
     >>> segment_plan(10, 0, 4, None)
     [('timed', 4, True, False), ('timed', 4, True, False), ('timed', 2, True, False)]
+    >>> segment_plan(10, 0, 4, None, cut_evals=False)
+    [('timed', 10, True, False)]
     """
     total = warmup + steps
     marks: set[int] = {total}
-    for every in (eval_every, checkpoint_every):
+    for every in (eval_every if cut_evals else None, checkpoint_every if cut_checkpoints else None, stop_every):
         if every:
             marks.update(b for b in range(every, total, every) if b > warmup)
     out: list[tuple[str, int, bool, bool]] = [("warmup", warmup, False, False)] if warmup else []
@@ -442,9 +449,25 @@ def segment_plan(steps: int, warmup: int, eval_every: int | None, checkpoint_eve
     return out
 
 
-def _boundaries(cfg: TrainConfig, data: DataSpec | None,
-                period: int) -> tuple[TrainConfig, list[tuple[str, int, bool, bool]]]:
-    """Steps rounded to the schedule's period (counted from epochs only) and the segment plan."""
+def inner_evals(plan: list[tuple[str, int, bool, bool]], eval_every: int | None) -> list[tuple[int, ...]]:
+    """Per segment of ``plan``, the multiples of ``eval_every`` strictly inside its timed steps
+    (counted from the run's first minibatch): the evaluations an uncut segment takes.
+
+    >>> inner_evals([('timed', 10, True, False)], 4)
+    [(4, 8)]
+    """
+    out, at = [], 0
+    for kind, n, _, _ in plan:
+        out.append(tuple(b for b in range(at + 1, at + n) if kind == "timed" and eval_every and b % eval_every == 0))
+        at += n
+    return out
+
+
+def _boundaries(cfg: TrainConfig, data: DataSpec | None, period: int,
+                cut_evals: bool = True) -> tuple[TrainConfig, list[tuple[str, int, bool, bool]], list[tuple[int, ...]]]:
+    """Steps rounded to the schedule's period (counted from epochs only), the segment plan and
+    each segment's inner evaluation steps (``cut_evals=False``: asynchronous schedules, whose
+    evaluations must not drain the pipeline)."""
     steps = cfg.training.steps
     assert steps is not None  # resolve_length decided it
     if _steps_from_epochs(cfg) and steps % period:
@@ -458,9 +481,15 @@ def _boundaries(cfg: TrainConfig, data: DataSpec | None,
         eval_every = max(period, spacing // period * period)
     ck = cfg.checkpoint
     every = ck.checkpoint_every if ck.checkpoint_dir is not None else None
+    ev = cfg.evaluation
+    # an asynchronous run with a target stops at a segment's end: one cut (a drain) an epoch
+    stop_every = None
+    if not cut_evals and data is not None and (ev.target_accuracy is not None or ev.target_loss is not None):
+        stop_every = max(period, data.steps_per_epoch // period * period)
     plan = segment_plan(steps, cfg.training.warmup_steps, eval_every or None, every,
-                        checkpoint_end=ck.checkpoint_dir is not None)
-    return cfg, plan
+                        checkpoint_end=ck.checkpoint_dir is not None, cut_evals=cut_evals, stop_every=stop_every,
+                        cut_checkpoints=cut_evals)
+    return cfg, plan, inner_evals(plan, None if cut_evals else eval_every)
 
 
 def _load(cfg: TrainConfig, unit_batch: int, weights: bool = False) -> Any:
@@ -497,9 +526,11 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
         m = par.microbatches or 1
         _check_divides(batch, m)
         data = _data_spec(cfg, source, batch, batch)
-        cfg, counts = _boundaries(cfg, data, 1)
+        cfg, counts, _ = _boundaries(cfg, data, 1)
         bundle = _load(cfg, batch)
         _check_fits(bundle, source)
+        if cfg.parallel.memory is not None:  # the whole model in this process: one stage
+            _one_process_memory(cfg, batch, m)
         run = ResolvedRun(cfg, 1, batch, m, None, ONE_PROCESS_NOTE, options,
                           tuple(Segment(kind, n, None, ev, ck) for kind, n, ev, ck in counts), data)
         run.check()
@@ -510,7 +541,8 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     if replicas is not None:
         _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
     # weightless (no parameter storage here) unless the planner profiles (quick plan)
-    bundle, captured = _load_captured(cfg, batch // m, weights=replicas is None and auto is None)
+    captured_unit = batch // m  # the samples of the capture's example batch
+    bundle, captured = _load_captured(cfg, captured_unit, weights=replicas is None and auto is None)
     _check_fits(bundle, source)
     _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)
@@ -529,19 +561,58 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
             f"another plan")
     part = partition_graph(captured.gm, [list(s.nodes) for s in plan.stages])  # the plan fits the captured graph
     data = _data_spec(cfg, source, batch, batch // m)
-    cfg, counts = _boundaries(cfg, data, _period(cfg, plan.replicas))
+    cfg, counts, inner = _boundaries(cfg, data, _period(cfg, plan.replicas), cut_evals=spec.synchronous)
     built: dict[int, Any] = {}  # one schedule per segment length, shared by the segments of that length
     for _, n, _, _ in counts:
         if n not in built:
             built[n] = spec.build(plan.replicas, m, n, **options)
-    segments = tuple(Segment(kind, n, built[n], ev, ck) for kind, n, ev, ck in counts)
+    segments = tuple(Segment(kind, n, built[n], ev, ck, evals) for (kind, n, ev, ck), evals in zip(counts, inner))
     # ties across stages the schedule cannot keep equal: one line now, not a failure in every worker
     first = segments[0].schedule
     assert first is not None  # a distributed run has a schedule per segment
     check_ties(part.tied, first.stage_ranks, spec.synchronous, spec.name)
     run = ResolvedRun(cfg, workers, batch, m, plan, note, options, segments, data)
     run.check()
+    _predict_memory(run, captured, captured_unit)  # --memory: refused here, before any worker starts
     return run, bundle
+
+
+def _worker_memory(cfg: TrainConfig, captured: Any, plan: Plan, stage_ranks: Any, batch: int, unit: int, m: int,
+                   recompute: Any = ()) -> list[Any]:
+    """Every worker's predicted peak (:mod:`pipetrain.plan.worker_memory`), with the sizes
+    from the captured graph, whose example batch has ``unit`` of the minibatch's ``batch`` samples."""
+    from ..plan.worker_memory import graph_profile, worker_memory
+    from ..profile.profiler import optimizer_state_factor
+
+    opt = cfg.optimizer
+    profile = graph_profile(captured.graph, str(cfg.model.name), batch, batch / unit,
+                            optimizer_state_factor(opt.name, opt.momentum))
+    return worker_memory(profile, plan, stage_ranks, cfg.parallel.schedule, m, recompute=recompute)
+
+
+def _predict_memory(run: ResolvedRun, captured: Any, unit: int) -> None:
+    """Every worker's predicted peak into ``plan.extra["worker_memory"]`` (``--json``'s
+    ``run.plan``), and ``--memory``'s refusal, before any worker starts."""
+    from ..plan.worker_memory import check_memory, memory_json
+
+    cfg, plan = run.config, run.plan
+    assert plan is not None  # a distributed run has a plan
+    workers = _worker_memory(cfg, captured, plan, run.schedule.stage_ranks, run.batch_size, unit, run.microbatches,
+                             run.recompute_stages)
+    plan.extra["worker_memory"] = dict(memory_json(workers, cfg.parallel.memory, "captured graph (parameter and "
+                                                   "output bytes)"))
+    if cfg.parallel.memory is not None:
+        check_memory(workers, cfg.parallel.memory, plan.config, cfg.parallel.schedule, run.microbatches)
+
+
+def _one_process_memory(cfg: TrainConfig, batch: int, m: int) -> None:
+    """``--memory`` on one process: the whole model as one stage, captured weightless."""
+    from ..plan.worker_memory import check_memory
+
+    _, captured = _load_captured(cfg, batch // m)
+    plan = split_by_config(captured, [1], str(cfg.model.name), batch)
+    check_memory(_worker_memory(cfg, captured, plan, [[0]], batch, batch // m, m), float(cfg.parallel.memory or 0),
+                 "1 (one process)", cfg.parallel.schedule, m)
 
 
 def _check_fits(bundle: Any, source: Any) -> None:

@@ -50,8 +50,10 @@ from .checkpoints.export import (
     load_checkpoint,
     load_torch_optimizer_state,
     save_checkpoint,
+    save_hf_whole,
     torch_optimizer_state,
 )
+from .engine.precision import autocast
 from .engine.units import UnitData, split_batch
 from .engine.whole_graph import unit_graph
 from .process.log import progress
@@ -104,8 +106,9 @@ class PlainStep:
 
     def __init__(self, model: nn.Module, loss_fn: Callable[[Any, Any], Tensor], optimizer: torch.optim.Optimizer,
                  base_lr: float, lr_schedule: LRSchedule, clip: float | None, horizon: int, microbatches: int = 1,
-                 seed: int | None = None, graph: nn.Module | None = None) -> None:
+                 seed: int | None = None, graph: nn.Module | None = None, precision: str = "fp32") -> None:
         self.model, self.loss_fn, self.optimizer = model, loss_fn, optimizer
+        self.precision = precision  # --precision: the forward under autocast (runtime/engine/precision.py)
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.base_lr, self.lr_schedule, self.clip = base_lr, lr_schedule, clip
         self.horizon = max(1, horizon)
@@ -125,7 +128,8 @@ class PlainStep:
         units = split_batch((tuple(batch[0]), batch[1]), m) if m > 1 else [batch]
         total = 0.0
         for j, (inputs, target) in enumerate(units):
-            with self._stream(k * m + j, inputs):
+            device = next((x.device for x in inputs if isinstance(x, Tensor)), torch.device("cpu"))
+            with self._stream(k * m + j, inputs), autocast(self.precision, device):
                 loss = self.loss_fn(self.forward(*inputs), target)
             loss.backward()
             total += float(loss.detach())
@@ -301,6 +305,8 @@ def train_one_process(run: ResolvedRun) -> RunResult:
     if cfg.checkpoint.save is not None:
         _save(cfg, cfg.checkpoint.save, state, trainee, trained.step)
         result.saved = cfg.checkpoint.save
+    if cfg.checkpoint.save_hf is not None:
+        save_hf_whole(cfg, state, list(state))
     if cfg.debug.return_state:
         result.state = state
     return result
@@ -368,7 +374,8 @@ def _train_segments(run: ResolvedRun, trainee: _Trainee, monitor: TrainMonitor) 
     cfg = run.config
     step = PlainStep(trainee.model, trainee.loss_fn, trainee.optimizer, cfg.optimizer.lr, cfg.training.lr_schedule,
                      cfg.training.clip_grad_norm, trainee.start + run.total_steps, microbatches=run.microbatches,
-                     seed=cfg.training.seed, graph=unit_graph(trainee.model, trainee.example_inputs, run.microbatches))
+                     seed=cfg.training.seed, graph=unit_graph(trainee.model, trainee.example_inputs, run.microbatches),
+                     precision=cfg.training.precision)
     every = 0 if cfg.output.quiet else cfg.output.log_every
 
     def on_step(done: int, loss: float) -> None:

@@ -50,6 +50,8 @@ class StageCost:
             (B or W) to its STEP (the ones autograd returns, kept in the accumulator dict).
         kept_grad_bytes: bytes a zero-bubble I keeps for its W per unit (the gradients at the
             outputs of the layers holding weights), held from the end of I to the end of W.
+        recompute_time: seconds of the forward a recomputing stage (``Stage.recompute``) runs
+            again in each unit's first backward piece (B, or I), included in that action's time.
     """
 
     forward_time: float
@@ -65,6 +67,7 @@ class StageCost:
     gradient_bytes: float | None = None
     kept_grad_bytes: float = 0.0
     transient_gradient_bytes: float = 0.0
+    recompute_time: float = 0.0
 
     @property
     def gradient_held(self) -> float:
@@ -76,9 +79,9 @@ class StageCost:
         if op is Op.F:
             return self.forward_time
         if op is Op.B:
-            return self.backward_time
+            return self.backward_time + self.recompute_time
         if op is Op.I:
-            return self.backward_time * (1.0 - self.weight_grad_fraction)
+            return self.backward_time * (1.0 - self.weight_grad_fraction) + self.recompute_time
         if op is Op.W:
             return self.backward_time * self.weight_grad_fraction
         if op is Op.STEP:
@@ -204,13 +207,16 @@ class StageCosts:
             received = sums.cut_act[k - 1] if k > 0 and saved is None else 0.0
             persistent, transient = _gradient_split(sums.params[k], sums.linear[k], plan.stages[k].replicas,
                                                     profile.has_saved_bytes)
+            rec = plan.stages[k].recompute  # holds only its input per unit, one more forward in B
+            held = 0.0 if rec else sums.held[k]
             stages.append(StageCost(
                 forward_time=sums.fwd[k] / units,
                 backward_time=sums.bwd[k] / units,
                 activation_send_bytes=(sums.cut_act[k] if k < S - 1 else 0.0) / units,
                 grad_send_bytes=(sums.cut_grad[k - 1] if k > 0 else 0.0) / units,
                 parameter_bytes=sums.params[k],
-                activation_bytes=(sums.held[k] + received) / units,
+                activation_bytes=(held + received) / units,
+                recompute_time=sums.fwd[k] / units if rec else 0.0,
                 step_time=step_time,
                 optimizer_bytes=sums.params[k] * osb,
                 kept_grad_bytes=sums.kept[k] / units,

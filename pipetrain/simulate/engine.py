@@ -90,6 +90,7 @@ class SimResult:
     extra: dict[str, Any] = field(default_factory=dict)
     traffic: dict[int, Traffic] = field(default_factory=dict)  # rank -> predicted bytes by kind
     samples: float | None = None  # samples the schedule trains (None: the costs know no batch size)
+    recompute_time: list[float] = field(default_factory=list)  # per rank: seconds of B/I recomputing forwards
 
     @property
     def num_workers(self) -> int:
@@ -122,6 +123,7 @@ class SimResult:
             "peak_memory": list(self.peak_memory),
             "peak_in_flight": list(self.peak_in_flight),
             "peak_versions": list(self.peak_versions),
+            "recompute_time": list(self.recompute_time),
             **traffic_summary(s, self.traffic, self.samples),
         }
 
@@ -298,6 +300,8 @@ def _summarise(schedule: Schedule, costs: StageCosts, timelines: list[list[Event
         bubble_fraction=max(0.0, bubble), idle_fraction=max(0.0, idle_fraction), exit_times=exits,
         steady_window=window, traffic=simulated_traffic(schedule, costs),
         samples=simulated_samples(schedule, costs),
+        recompute_time=[sum(costs[e.action.stage].recompute_time for e in tl if e.action.op in (Op.B, Op.I))
+                        for tl in timelines],
     )
 
 

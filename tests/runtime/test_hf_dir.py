@@ -182,3 +182,44 @@ def test_directory_copy_is_the_same_model(tmp_path: Path) -> None:
     a = load_bundle(cfg(f"hf:{path}", seed=1), 4).model.state_dict()
     b = load_bundle(cfg(f"hf:{tmp_path / 'copy'}", seed=2), 4).model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _bad_input(tmp: Path, kind: str) -> list[str]:
+    """The ``pipetrain train`` arguments of one kind of bad input."""
+    if kind == "not-a-directory":
+        return ["--model", f"hf:{tmp / 'nowhere'}"]
+    path = llama(tmp)
+    if kind == "class-not-installed":
+        config = json.loads((path / "config.json").read_text())
+        config["architectures"] = ["NoSuchModelForCausalLM"]
+        (path / "config.json").write_text(json.dumps(config))
+        return ["--model", f"hf:{path}"]
+    files = weights(path)
+    if kind == "hf-misshaped":
+        files["model.norm.weight"] = torch.zeros(3)
+        save_file(files, str(path / "model.safetensors"))
+        return ["--model", f"hf:{path}"]
+    options = TINY_OPTIONS["gpt"]
+    source = {k: v.contiguous() for k, v in
+              load_bundle(TrainConfig.of(model="gpt", model_options=options), 2).model.state_dict().items()}
+    source["wpe.weight"] = torch.zeros(1, 1)
+    save_file(source, str(tmp / "w.safetensors"))
+    return ["--model", "gpt", *[a for k, v in options.items() for a in ("--option", f"{k}={v}")],
+            "--init-from", str(tmp / "w.safetensors")]
+
+
+@pytest.mark.parametrize(("kind", "text"), [
+    ("not-a-directory", "is not a Hugging Face model directory"),
+    ("class-not-installed", "names the model class 'NoSuchModelForCausalLM'"),
+    ("hf-misshaped", "mis-shaped model.norm.weight (file [3], model [32])"),
+    ("init-from-misshaped", "the weights do not match the model GPT: mis-shaped wpe.weight (file [1, 1], model"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str,
+                                          text: str) -> None:
+    from pipetrain.cli import main
+
+    args = _bad_input(tmp_path, kind)
+    capsys.readouterr()
+    assert main(["train", *args, "--steps", "1", "--workers", "1"]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("error: ") and text in err[0], err

@@ -18,6 +18,10 @@ folder) instead of the optimizer state: :func:`load_checkpoint` reads that state
 parts. One-process runs write version 1 (everything in ``PATH.trainer``); ``--resume``
 accepts both versions.
 
+``--save-hf DIR`` (``hf:`` models; :func:`save_hf_final`, :func:`save_hf_whole`) writes the
+weights as a Hugging Face directory instead: every rank its own safetensors shard, rank 0 the
+index and the config, so that ``from_pretrained(DIR)`` loads the trained model.
+
 Optimizer state is keyed by parameter name (not by stage), so a run may resume under a
 different plan; a tied tensor's state is keyed by every one of its names. ``--resume PATH``
 continues from ``step``: data, learning-rate schedule and
@@ -37,8 +41,8 @@ from torch import Tensor
 from ...checkpoint.store import atomic_torch_save
 from ...errors import RuntimeConfigError
 
-__all__ = ["TrainerState", "save_checkpoint", "save_final", "load_checkpoint", "trainer_path", "parts_dir",
-           "check_resumable", "torch_optimizer_state", "load_torch_optimizer_state"]
+__all__ = ["TrainerState", "save_checkpoint", "save_final", "save_hf_final", "save_hf_whole", "load_checkpoint",
+           "trainer_path", "parts_dir", "check_resumable", "torch_optimizer_state", "load_torch_optimizer_state"]
 
 FORMAT = "pipetrain-trainer"
 VERSION = 1
@@ -209,3 +213,72 @@ def check_resumable(path: str, trainer: TrainerState, cfg: Any) -> None:
         raise RuntimeConfigError(
             f"checkpoint {path} was trained with {trainer.optimizer.get('name')}, not {cfg.optimizer.name}; "
             f"resume with --optimizer {trainer.optimizer.get('name')}")
+
+
+def _hf_source(cfg: Any) -> Path:
+    from ...models.pretrained import hf_directory
+
+    return hf_directory(cfg.model.name)
+
+
+def _dtype_name(tensors: Any) -> str | None:
+    """The one floating dtype of ``tensors`` as config.json spells it (``float32``), else None."""
+    kinds = {str(t.dtype).removeprefix("torch.") for t in tensors if t.is_floating_point()}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def save_hf_whole(cfg: Any, state: Mapping[str, Tensor], original_keys: list[str]) -> Path:
+    """``--save-hf DIR`` of a one-process run: the model's tensors in one shard and its index
+    (:func:`save_hf_final`'s directory for one rank)."""
+    from ...models.pretrained import hf_weight_names, shard_name, write_index, write_shard
+
+    source, out = _hf_source(cfg), Path(cfg.checkpoint.save_hf)
+    names = hf_weight_names(source, original_keys)
+    tensors = {n: state[n] for n in names}
+    total = write_shard(out, 1, 1, tensors)
+    write_index(out, source, dict.fromkeys(names, shard_name(1, 1)), total, _dtype_name(tensors.values()))
+    return out
+
+
+def save_hf_final(view: Any, original_keys: list[str]) -> Path:
+    """``--save-hf DIR`` of a distributed run, on every rank (a collective).
+
+    Every rank writes the tensors it holds (the first replica of each of its stages; rank 0
+    also the tensors no stage reads) into its own shard ``model-0000N-of-0000M.safetensors``,
+    under the names the ``hf:`` directory stores them by (a tied tensor once, as
+    ``save_pretrained`` writes it); a tensor two ranks hold (tied across stages) is written by
+    the lower rank. Only names and sizes cross processes, never a tensor. Rank 0 then writes
+    the index and copies config.json (and generation_config.json). Returns ``DIR``.
+    """
+    import torch.distributed as dist
+
+    from ...models.pretrained import hf_weight_names, shard_name, write_index, write_shard
+    from .periodic import rank_state
+
+    source, out = _hf_source(view.cfg), Path(view.cfg.checkpoint.save_hf)
+    names = hf_weight_names(source, original_keys)
+    held = rank_state(view, 0).model
+    mine = {n: held[n] for n in names if n in held}
+    gathered: list[Any] = [None] * view.world
+    dist.all_gather_object(gathered, (sorted(mine), _dtype_name(mine.values())))
+    owner: dict[str, int] = {}
+    for rank, (held_names, _) in enumerate(gathered):
+        for n in held_names:
+            owner.setdefault(n, rank)
+    missing = [n for n in names if n not in owner]
+    if missing:
+        raise RuntimeError(f"--save-hf: no rank holds {len(missing)} tensors of the model (first {missing[0]!r})")
+    writers = sorted(set(owner.values()))
+    shard_of = {r: shard_name(i + 1, len(writers)) for i, r in enumerate(writers)}
+    total = 0
+    if view.rank in shard_of:
+        total = write_shard(out, writers.index(view.rank) + 1, len(writers),
+                            {n: t for n, t in mine.items() if owner[n] == view.rank})
+    totals: list[Any] = [None] * view.world
+    dist.all_gather_object(totals, total)  # every shard is on disk before the index names it
+    if view.rank == 0:
+        dtypes = {d for _, d in gathered if d is not None}
+        write_index(out, source, {n: shard_of[owner[n]] for n in names}, sum(totals),
+                    dtypes.pop() if len(dtypes) == 1 else None)
+    dist.barrier()
+    return out

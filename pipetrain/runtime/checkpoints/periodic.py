@@ -29,6 +29,23 @@ layout a rank's random stream is not the same stream.
 
 Learning-rate position under another layout: each stage continues from the largest step
 count among its parameters' old stages (synchronous schedules: all equal).
+
+Asynchronous schedules (pipedream, 2bw) are not cut at checkpoint points, since a drain would
+make the run with checkpoints another algorithm than the run without. :class:`CutCheckpoints`,
+an engine hook, writes the checkpoint of step ``K`` inside a segment at a consistent cut
+(:mod:`pipetrain.schedule.resume`): each stage at its own update of minibatch ``K``, with the
+weight versions that the later units' actions name (the in-flight units' stashed versions,
+copied when they are made) and its optimizer state after that update; the buffers as they
+were before the stage's first forward of a later unit. Every rank joins the write at its
+pause point (``pause_points``) and the pipeline goes on. A run of the
+same layout whose own checkpoint points include ``K`` (an elastic restart, ``--max-restarts``
+or torchrun's, or the command launched again; ``job.segments.resumes_inside``) resumes such
+a checkpoint exactly: each stage holds those versions again (``WeightVersions.restore``) and
+the worker runs the segment's ``suffix``, whose in-flight units run their forwards again
+under the versions their actions name; the continued run is the uninterrupted run without
+checkpoints. Another layout, schedule or ``--checkpoint-every`` resumes it as if drained at
+``K`` (the launcher cuts the segment there, ``cut_at``): the newest weights and optimizer
+state only. The manifest says ``"drained": false``.
 """
 from __future__ import annotations
 
@@ -45,11 +62,15 @@ from torch import Tensor
 from ...checkpoint import RankState, check_model, latest_checkpoint, load_for_rank, read_manifest, save_checkpoint_dir
 from ...job.parse import parse_debug_fail
 from ...job.resolved import ResolvedRun
-from ...job.segments import check_optimizer, checkpoint_due
+from ...job.segments import check_optimizer, checkpoint_due, same_layout
+from ...schedule.action import Action, Schedule
+from ...schedule.resume import needed_versions, pause_points, stage_updates
+from ..engine.hooks import EngineHooks, EngineView
+from ..engine.stage_runtime import StageRuntime
 from ..process.faults import first_attempt, kill_self
 
-__all__ = ["RankView", "every_name", "lookup_any_name", "save_at_boundary", "on_boundary", "restore",
-           "manifest_info", "rank_state"]
+__all__ = ["RankView", "CutCheckpoints", "Restored", "every_name", "lookup_any_name", "save_at_boundary", "on_boundary",
+           "restore", "restore_point", "manifest_info", "rank_state"]
 
 log = logging.getLogger("pipetrain.checkpoint")
 V = TypeVar("V")
@@ -172,13 +193,18 @@ def save_at_boundary(view: RankView, step: int, due: bool | None = None) -> Path
         return None
     if due is None:
         due = checkpoint_due(ck.checkpoint_every, step, view.run.total_steps)
-    key = (str(ck.checkpoint_dir), step)
-    if not due or key in _last_saved:
+    if not due or (str(ck.checkpoint_dir), step) in _last_saved:
         return None
-    die = _kill_in_save(cfg, view.rank, step)
-    path = save_checkpoint_dir(ck.checkpoint_dir, step, rank_state=rank_state(view, step),
-                               manifest_info=manifest_info(view.run, step), keep=ck.keep, before_manifest=die)
-    _last_saved[:] = [key]
+    return _save(view, step, rank_state(view, step), manifest_info(view.run, step))
+
+
+def _save(view: RankView, step: int, state: RankState, info: dict[str, Any]) -> Path:
+    """Write the checkpoint of ``step`` (a collective over the world)."""
+    ck = view.cfg.checkpoint
+    die = _kill_in_save(view.cfg, view.rank, step)
+    path = save_checkpoint_dir(ck.checkpoint_dir, step, rank_state=state, manifest_info=info, keep=ck.keep,
+                               before_manifest=die)
+    _last_saved[:] = [(str(ck.checkpoint_dir), step)]
     if view.rank == 0:
         log.info("checkpoint of step %d written to %s", step, path)
     return path
@@ -214,15 +240,115 @@ def _kill_in_save(cfg: Any, rank: int, step: int) -> Callable[[], None] | None:
     return kill_self
 
 
+# --------------------------------------------------------------------------- inside a segment
+
+
+@dataclass
+class _Cut:
+    """One checkpoint at step ``step`` inside the segment: this rank's pause point and state."""
+
+    step: int
+    done: int                                   # minibatches of the segment done at the cut
+    point: int                                  # actions of this rank's list before the write
+    updates: dict[int, int]                     # stage -> its version at the cut
+    needed: dict[int, set[int]]                 # stage -> versions the later actions name
+    versions: dict[int, dict[int, dict[str, Tensor]]] = field(default_factory=dict)  # stage -> v -> copy
+    optimizer: dict[int, dict[str, Any]] = field(default_factory=dict)               # stage -> state_dict
+    buffers: dict[int, dict[str, Tensor]] = field(default_factory=dict)              # stage -> copy
+    written: bool = False
+
+
+def _copy(value: Any) -> Any:
+    """A deep copy of tensors in dicts and lists (an optimizer's state_dict)."""
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copy(v) for v in value)
+    return value
+
+
+class CutCheckpoints(EngineHooks):
+    """Writes the checkpoints inside a segment of an asynchronous schedule at a consistent
+    cut (module docstring). :meth:`arm` before each segment; the write is a collective that
+    every rank joins at its own pause point."""
+
+    def __init__(self, view: Callable[[], RankView]) -> None:
+        self.view = view
+        self._cuts: list[_Cut] = []
+
+    def arm(self, schedule: Schedule, rank: int, offset: int, steps: list[int]) -> None:
+        """Expect the checkpoints of ``steps`` (from the run's first minibatch) in the segment
+        ``schedule`` starting at step ``offset``; ``schedule`` is what this rank runs."""
+        self._cuts = []
+        for t in steps:
+            done = t - offset
+            stages = schedule.stages_of_rank(rank)
+            self._cuts.append(_Cut(t, done, pause_points(schedule, done)[rank],
+                                   {k: stage_updates(schedule, k, done) for k in stages},
+                                   needed_versions(schedule, done, rank)))
+
+    def _keep(self, st: StageRuntime, v: int) -> None:
+        for cut in self._cuts:
+            if v in cut.needed.get(st.index, ()):
+                copy = {n: t.detach().clone() for n, t in st.versions.get(v).items()}
+                cut.versions.setdefault(st.index, {})[v] = copy
+            if cut.updates.get(st.index) == v:
+                cut.optimizer[st.index] = _copy(st.optimizer.state_dict())
+
+    def before_run(self, ex: EngineView) -> None:
+        for st in ex.stages.values():
+            self._keep(st, st.versions.newest)
+
+    def after_update(self, ex: EngineView, st: StageRuntime, a: Action) -> None:
+        self._keep(st, st.versions.newest)
+
+    def forward_scope(self, ex: EngineView, a: Action) -> Any:
+        st = ex.stages[a.stage]
+        for cut in self._cuts:  # the buffers before the first forward after the cut
+            if not cut.written and a.mb // max(1, ex.data.m) >= cut.done and a.stage not in cut.buffers:
+                cut.buffers[a.stage] = {n: b.detach().clone() for n, b in st.stage.module.named_buffers()}
+        return super().forward_scope(ex, a)
+
+    def after_action(self, ex: EngineView, a: Action) -> None:
+        for cut in self._cuts:
+            if ex.position + 1 == cut.point:
+                self._write(ex, cut)
+
+    def _write(self, ex: EngineView, cut: _Cut) -> None:
+        view = self.view()
+        model: dict[str, Tensor] = {}
+        stashed: dict[int, dict[str, Tensor]] = {}
+        optimizer: dict[str, dict[str, Any]] = {}
+        stage_steps: dict[str, int] = {}
+        for k, st in ex.stages.items():
+            if not view.first_replica(k):
+                continue
+            u = cut.updates[k]
+            held = cut.versions[k]
+            model.update(every_name(st.stage, held[u]))
+            model.update(cut.buffers.get(k) or {n: b.detach() for n, b in st.stage.module.named_buffers()})
+            for v, tensors in held.items():
+                if v != u:
+                    stashed.setdefault(v, {}).update(tensors)
+            sd = cut.optimizer[k]
+            optimizer.update(every_name(st.stage, sd["state"]))
+            stage_steps.update(every_name(st.stage, {n: int(sd["steps"]) for n in st.stage.param_names}))
+        for n, t in view.extras.items():
+            model.setdefault(n, t.detach())
+        extras: dict[str, Any] = {"step": cut.step}
+        state = RankState(model=model, stashed=stashed, optimizer=optimizer, stage_steps=stage_steps, extras=extras)
+        info = manifest_info(view.run, cut.step)
+        info.update(drained=False, segment_done=cut.done)
+        _save(view, cut.step, state, info)
+        if dist.is_initialized():
+            dist.barrier()  # the manifest is on disk before any rank goes on
+        cut.versions, cut.optimizer, cut.buffers = {}, {}, {}  # written: the copies go
+        cut.needed, cut.updates, cut.written = {}, {}, True
+
+
 # --------------------------------------------------------------------------- resuming
-
-
-def _same_layout(man: Any, view: RankView) -> bool:
-    plan = view.run.plan
-    saved = man.info.get("plan") or {}
-    return (man.world_size == view.world and plan is not None
-            and saved.get("stages") == [list(s.nodes) for s in plan.stages]
-            and man.info.get("schedule") == view.cfg.parallel.schedule)
 
 
 def _pick(root: str | Path, world: int) -> str | None:
@@ -236,21 +362,38 @@ def _pick(root: str | Path, world: int) -> str | None:
     return box[0]
 
 
-@torch.no_grad()
+@dataclass
+class Restored:
+    """What :func:`restore_point` loaded: the step, and for a checkpoint cut inside a segment
+    (``drained`` false) of this same layout, the older weight versions it holds
+    (``{version: {name: tensor}}``, the segment's own indices; :class:`CutCheckpoints`)."""
+
+    step: int = 0
+    drained: bool = True
+    stashed: dict[int, dict[str, Tensor]] = field(default_factory=dict)
+
+
 def restore(view: RankView) -> int:
+    """:func:`restore_point`'s step (0: nothing to resume)."""
+    return restore_point(view).step
+
+
+@torch.no_grad()
+def restore_point(view: RankView) -> Restored:
     """Load this rank's part of the latest complete checkpoint in ``--checkpoint-dir``.
 
-    A collective (rank 0 picks the checkpoint). Returns its step (0: nothing to resume).
-    Raises :class:`CheckpointError` (one line) for a checkpoint of another model or optimizer,
-    or a damaged one.
+    A collective (rank 0 picks the checkpoint). Returns its step (0: nothing to resume) and,
+    for a checkpoint inside a segment of this layout, its stashed versions. Raises
+    :class:`CheckpointError` (one line) for a checkpoint of another model or optimizer, or a
+    damaged one.
     """
     cfg = view.cfg
     root = cfg.checkpoint.checkpoint_dir
     if root is None:
-        return 0
+        return Restored()
     picked = _pick(root, view.world)
     if picked is None:
-        return 0
+        return Restored()
     man = read_manifest(picked)
     check_model(man, cfg.model.name, dict(cfg.model.options))
     check_optimizer(man, cfg)
@@ -262,8 +405,9 @@ def restore(view: RankView) -> int:
             source[n] = stored
             wanted[stored] = tuple(t.shape)
         wanted.update({n: tuple(b.shape) for n, b in st.stage.module.named_buffers()})
-    same = _same_layout(man, view)
-    part = load_for_rank(picked, wanted, rank=view.rank if same else None, device=view.device)
+    same = same_layout(man.info, man.world_size, view.run)
+    cut = man.info.get("drained") is False and same
+    part = load_for_rank(picked, wanted, rank=view.rank if same else None, device=view.device, stash=cut)
     for st in view.stages.values():
         names = list(st.stage.param_names)
         st.versions.load({n: part.model[source.get(n, n)] for n in names})
@@ -284,4 +428,4 @@ def restore(view: RankView) -> int:
         how = "the same layout" if same else (f"another layout (saved by {man.world_size} workers, "
                                               f"{man.info.get('schedule')}, plan {saved_plan})")
         log.info("resuming from %s (step %d, %s)", picked, man.step, how)
-    return int(man.step)
+    return Restored(int(man.step), not cut, {v: dict(ts) for v, ts in part.stashed.items()} if cut else {})

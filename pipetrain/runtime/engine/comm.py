@@ -12,6 +12,12 @@ Point-to-point: a SEND/RECV action moves the wire tensors of one unit across one
   reused only when no pending send still reads it (a value relayed unchanged is sent from the
   buffer it arrived in).
 
+Precision (``wire_dtype``, ``--precision bf16``): a float32 wire travels as that dtype: a send
+rounds it, a receive lands in a buffer of that dtype and hands the stage a float32 copy (the
+buffer goes straight back to the pool); a transfer to this same rank is rounded the same way,
+so the numbers do not depend on where the stages run. A float32 wire the stage produced in
+bfloat16 already (an autocast output) is sent as it is. Every other wire travels as it is.
+
 Messages are told apart by tag (gloo matches a receive by source and tag): one tag per
 (cut, direction, unit mod U, wire index), so units in flight, directions and the tensors of
 one message never mix. (NCCL ignores tags; both ends then post in their schedule's order,
@@ -70,10 +76,20 @@ def message_specs(codec: BoundaryCodec, direction: int) -> list[WireSpec]:
     return [codec.specs[i] for i in codec.grad_indices]
 
 
-def cut_bytes(codecs: Sequence[BoundaryCodec]) -> list[CutBytes]:
-    """Exact bytes one unit moves across every cut: all wires forward, the needs-grad wires back."""
-    return [CutBytes(sum(s.nbytes for s in message_specs(c, _F)), sum(s.nbytes for s in message_specs(c, _B)))
+def cut_bytes(codecs: Sequence[BoundaryCodec], wire_dtype: torch.dtype | None = None) -> list[CutBytes]:
+    """Exact bytes one unit moves across every cut: all wires forward, the needs-grad wires back
+    (float32 wires in ``wire_dtype`` when given)."""
+    def nbytes(s: WireSpec) -> int:
+        dt = _on_wire(s.dtype, wire_dtype)
+        return s.nbytes if dt == s.dtype else s.nbytes // _element_size(s.dtype) * _element_size(dt)
+
+    return [CutBytes(sum(nbytes(s) for s in message_specs(c, _F)), sum(nbytes(s) for s in message_specs(c, _B)))
             for c in codecs]
+
+
+def _on_wire(dtype: torch.dtype, wire_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype a wire of ``dtype`` travels in."""
+    return wire_dtype if wire_dtype is not None and dtype == torch.float32 else dtype
 
 
 def reduce_buffers(params: Sequence[Tensor]) -> list[ReduceBuffer]:
@@ -156,11 +172,13 @@ class Comm:
         device: where wire tensors live.
         timeout: seconds for new process groups (waits use the group's timeout).
         global_clip: create the all-ranks group used by global gradient clipping.
+        wire_dtype: the dtype float32 wires travel in (``None``: as they are; module docstring).
     """
 
     def __init__(self, rank: int, schedule: Schedule, codecs: Sequence[BoundaryCodec], device: torch.device,
-                 timeout: float, global_clip: bool = False) -> None:
+                 timeout: float, global_clip: bool = False, wire_dtype: torch.dtype | None = None) -> None:
         self.rank = rank
+        self.wire_dtype = wire_dtype
         self.device = device
         self.codecs = list(codecs)
         self.distributed = dist.is_available() and dist.is_initialized()
@@ -231,7 +249,7 @@ class Comm:
             if b.ready():
                 free.pop(j)
                 return b.tensor
-        t = torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+        t = torch.empty(spec.shape, dtype=_on_wire(spec.dtype, self.wire_dtype), device=self.device)
         self._pooled.add(id(t))
         return t
 
@@ -293,7 +311,19 @@ class Comm:
         for w in works:
             w.wait()
         self.traffic.count_receive(_KIND[d], sum(b.numel() * b.element_size() for b in bufs))
-        return bufs
+        return self._widen(cut, d, bufs, message_specs(self.codecs[cut], d))
+
+    def _widen(self, cut: int, d: int, bufs: list[Tensor], specs: Sequence[WireSpec]) -> list[Tensor]:
+        """Received wires in their specs' dtypes; a buffer copied that way goes back to the pool."""
+        out = []
+        for i, (b, spec) in enumerate(zip(bufs, specs)):
+            if b.dtype == spec.dtype:
+                out.append(b)
+                continue
+            out.append(b.to(spec.dtype))
+            if id(b) in self._pooled:
+                self._pool.setdefault((cut, d, i), []).append(_PooledBuffer(b))
+        return out
 
     def send(self, action: Action, tensors: Sequence[Tensor]) -> None:
         """Start sending a SEND action's wire tensors (returns at once)."""
@@ -304,18 +334,21 @@ class Comm:
         out: list[Tensor] = []
         for t, spec in zip(tensors, specs):
             t = t.detach()
-            if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+            # a float32 wire may already be in its wire dtype (an autocast output)
+            if tuple(t.shape) != spec.shape or t.dtype not in (spec.dtype, _on_wire(spec.dtype, self.wire_dtype)):
                 from ...errors import RuntimeConfigError
 
                 raise RuntimeConfigError(
                     f"stage {action.stage} produced a {tuple(t.shape)} {t.dtype} tensor for unit {action.mb} where the "
                     f"example run gave {spec.shape} {spec.dtype}; the pipeline needs fixed shapes per unit (same "
                     f"sequence length and microbatch size for every unit)")
-            out.append(t if t.is_contiguous() else t.contiguous())
+            wire = _on_wire(t.dtype, self.wire_dtype)
+            out.append(t.to(dtype=wire, memory_format=torch.contiguous_format) if wire != t.dtype
+                       else t if t.is_contiguous() else t.contiguous())
         key = (cut, d, action.mb)
         peer = action.peer
         if peer == self.rank or not self.distributed:
-            self._local[key] = out
+            self._local[key] = self._widen(cut, d, out, specs)
             return
         if peer is None:
             raise RuntimeError(f"rank {self.rank}: {action.long} has no peer; build schedules with insert_comm")

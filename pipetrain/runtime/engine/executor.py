@@ -219,7 +219,7 @@ class Executor:
             if a.op is Op.STEP:
                 last_pos[a.mb] = i
         self._last_step_pos = set(last_pos.values())
-        self._recompute = recompute.recompute_units(actions)
+        self._recompute = recompute.recompute_units(actions, [k for k, st in self.stages.items() if st.recompute])
 
     # -- compute -----------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -244,7 +244,8 @@ class Executor:
         version = a.version if a.version is not None else st.versions.newest
         params = st.versions.get(version)
         rng = recompute.rng_state(self.comm.device) if (a.stage, a.mb) in self._recompute else None
-        with torch.enable_grad(), self._stream(a.stage, a.mb):
+        # a unit whose backward recomputes its forward keeps no graph of this one (recompute.py)
+        with torch.set_grad_enabled(rng is None), self._stream(a.stage, a.mb), st.compute_scope():
             out = functional_call(sm.module, params, tuple(values))
             if sm.is_last:
                 loss = self.loss_fn(sm.finish_output(out), self.data.unit(a.mb)[1])
@@ -307,16 +308,16 @@ class Executor:
         self._release(u)
 
     def _recompute_forward(self, a: Action, u: UnitState) -> None:
-        """The forward of ``u`` again under B's version, which ``u`` then describes (recompute.py)."""
-        assert a.version is not None  # recompute_units lists only backwards with a version
+        """The forward of ``u`` again under B's (or I's) version, which ``u`` then describes (recompute.py)."""
+        version = a.version if a.version is not None else u.version
         target = self.data.unit
 
         def loss(output: Any) -> Tensor:
             return self.loss_fn(output, target(a.mb)[1])
 
-        u.params, u.outputs = recompute.recompute(self.stages[a.stage], a.version, u, self.comm.device, loss,
+        u.params, u.outputs = recompute.recompute(self.stages[a.stage], version, u, self.comm.device, loss,
                                                   self._stream(a.stage, a.mb))
-        u.version = a.version
+        u.version = version
 
     def _stream(self, stage: int, mb: int) -> AbstractContextManager[None]:
         """The per-unit random stream of unit ``mb`` of this segment (module docstring), for a
@@ -330,6 +331,8 @@ class Executor:
     def _backward_input(self, a: Action) -> None:
         st = self.stages[a.stage]
         u = self._units[(a.stage, a.mb)]
+        if (a.stage, a.mb) in self._recompute:
+            self._recompute_forward(a, u)
         self._check_version(a, u)
         outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
         grads, u.weight_work = backward_input(outs, gouts, u.leaves, [u.params[n] for n in st.trainable], st.sink)

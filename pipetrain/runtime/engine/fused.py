@@ -12,7 +12,8 @@ group's units" formed in place. The bias gradient is added the same way.
 :class:`GradSink` holds a stage's accumulators (shared with :class:`StageRuntime`: the same
 tensors, or views of a replicated stage's flat all-reduce buffer) and which of them the
 current group has written. :func:`install` switches a stage module's exact ``nn.Linear``
-children to :class:`AccumulatingLinear`, whose backward returns no weight gradient to
+children to :class:`AccumulatingLinear` (and an exported graph's ``aten.linear`` calls on the
+stage's parameters to :class:`FusedLinearCall`), whose backward returns no weight gradient to
 autograd: the executor must treat a parameter the sink wrote as having a gradient (and add
 any other gradient autograd returns for it, e.g. a weight also read elsewhere).
 
@@ -109,9 +110,68 @@ class AccumulatingLinear(nn.Linear):
         self._pt_sink, self._pt_wname, self._pt_bname = sink, wname, bname
 
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
-        if not torch.is_grad_enabled() or not (self.weight.requires_grad or x.requires_grad):
+        # under autocast (--precision bf16) the plain layer: autocast casts its operands, and
+        # its weight gradient reaches the sink through the executor (StageRuntime.accumulate)
+        if (not torch.is_grad_enabled() or not (self.weight.requires_grad or x.requires_grad)
+                or torch.is_autocast_enabled(x.device.type)):
             return F.linear(x, self.weight, self.bias)
         return _LinearAccumulate.apply(x, self.weight, self.bias, self._pt_sink, self._pt_wname, self._pt_bname)
+
+
+class FusedLinearCall:
+    """``aten.linear(x, w, b)`` of an exported graph (``w``, ``b`` read by ``get_attr``) whose
+    backward feeds a :class:`GradSink`: the call-function form of :class:`AccumulatingLinear`,
+    for captures that inline ``nn.Linear`` into aten ops (``torch.export``, e.g. Hugging Face
+    models). ``__name__`` keeps the op's name for whatever names a node by its target."""
+
+    __name__ = "linear"
+
+    def __init__(self, sink: GradSink, wname: str, bname: str | None) -> None:
+        self.sink, self.wname, self.bname = sink, wname, bname
+
+    def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+        if (not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad)
+                or torch.is_autocast_enabled(x.device.type)):
+            return F.linear(x, weight, bias)
+        return cast(Tensor, _LinearAccumulate.apply(x, weight, bias, self.sink, self.wname, self.bname))
+
+
+_LINEAR_OPS = (torch.ops.aten.linear.default, F.linear)
+
+
+def _trainable(gm: torch.fx.GraphModule, name: str | None, param_names: set[str]) -> bool:
+    if name is None:
+        return True
+    if name not in param_names:
+        return False
+    try:
+        return bool(gm.get_parameter(name).requires_grad)
+    except AttributeError:  # a buffer or a constant
+        return False
+
+
+def _install_calls(module: torch.fx.GraphModule, param_names: set[str], sink: GradSink) -> list[str]:
+    """Switch the graph's ``aten.linear`` calls on this stage's trainable parameters to
+    :class:`FusedLinearCall`; returns the parameter names now fed by the sink."""
+    fed: list[str] = []
+    for node in module.graph.nodes:
+        if node.op != "call_function" or node.target not in _LINEAR_OPS or node.kwargs:
+            continue
+        w = node.args[1] if len(node.args) > 1 else None
+        b = node.args[2] if len(node.args) > 2 else None
+        if not (isinstance(w, torch.fx.Node) and w.op == "get_attr"):
+            continue
+        if b is not None and not (isinstance(b, torch.fx.Node) and b.op == "get_attr"):
+            continue
+        wname = str(w.target)
+        bname = str(b.target) if isinstance(b, torch.fx.Node) else None
+        if not (_trainable(module, wname, param_names) and _trainable(module, bname, param_names)):
+            continue
+        node.target = FusedLinearCall(sink, wname, bname)
+        fed += [wname] + ([bname] if bname else [])
+    if fed:
+        module.recompile()
+    return fed
 
 
 def install(module: torch.fx.GraphModule, param_names: set[str], sink: GradSink) -> list[str]:
@@ -138,4 +198,4 @@ def install(module: torch.fx.GraphModule, param_names: set[str], sink: GradSink)
         sub.__class__ = AccumulatingLinear
         cast(AccumulatingLinear, sub).feed(sink, wname, bname)
         fed += [wname] + ([bname] if bname else [])
-    return fed
+    return fed + _install_calls(module, param_names, sink)

@@ -50,6 +50,11 @@ class EngineView(Protocol):
         ...
 
     @property
+    def position(self) -> int:
+        """Index in the segment's list of the action running (or the last one run)."""
+        ...
+
+    @property
     def data(self) -> UnitData:
         """The segment's unit data (``step_of``, ``unit``, ``step_offset``)."""
         ...

@@ -1,4 +1,4 @@
-"""PipeDream without weight stashing: a backward under a newer version than its forward.
+"""Recomputing a stage's forward in its backward: PipeDream without weight stashing, and ``--recompute``.
 
 With weight stashing (PipeDream SOSP'19 section 3.3) a stage's backward of unit ``u`` uses
 the version ``v_F`` its forward used. Without it (the schedule option ``stashing=False``)
@@ -22,12 +22,20 @@ stage recomputes its loss from the recomputed output. Only the stage input is st
 a second weight copy (the forward's own graph is dropped after the forward: it is never
 back-propagated).
 
+Activation recomputation (``--recompute``, or a plan stage with ``"recompute": true``) is the
+case ``v_B = v_F`` of the same rule, for every unit of the stage: its forward runs without
+a graph (nothing saved for backward, only ``x_s`` and the random state kept), and the first
+backward piece (B, or I under zero-bubble's split) recomputes ``y_s`` under the version the
+backward names (the stashed one under weight stashing, the forward's under a flush) before
+differentiating. The recomputed values are the forward's, bit for bit: same inputs, same
+weights, same random stream; so the gradients are those without recomputation.
+
 Buffers (batch-norm running statistics) are left as they were before the recompute, so each
 unit updates them once, in its forward; the recompute reads them as they are when it runs.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -63,13 +71,16 @@ class BufferGuard:
                 b.copy_(v)
 
 
-def recompute_units(actions: Sequence[Action]) -> set[tuple[int, int]]:
-    """``(stage, unit)`` of every backward in ``actions`` whose version differs from its forward's."""
+def recompute_units(actions: Sequence[Action], always: Collection[int] = ()) -> set[tuple[int, int]]:
+    """``(stage, unit)`` of every backward in ``actions`` whose version differs from its
+    forward's, and of every unit of the stages in ``always`` (activation recomputation)."""
     fwd: dict[tuple[int, int], int | None] = {}
     out: set[tuple[int, int]] = set()
     for a in actions:
         if a.op is Op.F:
             fwd[(a.stage, a.mb)] = a.version
+            if a.stage in always:
+                out.add((a.stage, a.mb))
         elif a.op is Op.B and a.version is not None:  # I and W keep their F's version (checked there)
             v = fwd.get((a.stage, a.mb))
             if v is not None and v != a.version:
@@ -91,7 +102,9 @@ def recompute(st: StageRuntime, version: int, u: UnitState, device: torch.device
 
     ``u`` holds the stage input and random state its forward kept; ``loss(output)`` is the
     unit's loss (called on the last stage only); ``stream`` is the unit's random stream, the
-    one its forward ran under (:func:`pipetrain.graph.random_ops.unit_stream`).
+    one its forward ran under (:func:`pipetrain.graph.random_ops.unit_stream`). What autograd
+    saves for the backward goes into ``u.recomputed`` (held until the unit's last backward
+    piece: the tensor ledger counts it between zero-bubble's I and W).
     """
     sm = st.stage
     assert u.rng is not None, "recompute needs the forward's stashed input"
@@ -103,7 +116,14 @@ def recompute(st: StageRuntime, version: int, u: UnitState, device: torch.device
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
-        with torch.enable_grad(), stream or nullcontext():
+        saved = u.recomputed = []
+
+        def pack(t: Tensor) -> Tensor:
+            saved.append(t)
+            return t
+
+        with (torch.enable_grad(), stream or nullcontext(), st.compute_scope(),
+              torch.autograd.graph.saved_tensors_hooks(pack, _same)):
             out = functional_call(sm.module, params, tuple(u.inputs))
             if sm.is_last:
                 outputs = [loss(sm.finish_output(out))]
@@ -114,3 +134,7 @@ def recompute(st: StageRuntime, version: int, u: UnitState, device: torch.device
                 outputs = [wires[i] for i in codec.grad_indices]
     snap.restore_changed()
     return params, outputs
+
+
+def _same(t: Tensor) -> Tensor:
+    return t

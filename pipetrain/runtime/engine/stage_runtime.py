@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -29,6 +30,7 @@ from ...stages.partition import StageModule
 from .comm import Comm
 from .fused import GradSink, install
 from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
+from .precision import autocast
 from .versions import WeightVersions
 
 __all__ = ["StageRuntime"]
@@ -38,10 +40,16 @@ class StageRuntime:
     """Everything a worker keeps for one of its stages: module, versions, optimizer, gradients."""
 
     def __init__(self, stage: StageModule, optimizer: FunctionalOptimizer, replicas: int,
-                 device: torch.device, fuse_linear: bool = False) -> None:
+                 device: torch.device, fuse_linear: bool = False, recompute: bool = False,
+                 precision: str = "fp32") -> None:
         self.stage = stage
+        self.device = device
+        self.precision = precision  # the forward's compute precision (precision.py); weights stay fp32
         self.index = stage.index
         self.replicas = replicas
+        # activation recomputation: every unit keeps only its input and recomputes its forward
+        # in its backward (recompute.py)
+        self.recompute = recompute
         self.optimizer = optimizer
         mod = stage.module.to(device)
         named = dict(mod.named_parameters())
@@ -92,6 +100,10 @@ class StageRuntime:
                 self.flats[dt] = flat
         for n in self.fused:
             self.sink.buffers[n] = self.views[n] if self.views else torch.zeros_like(initial[n])
+
+    def compute_scope(self) -> AbstractContextManager[object]:
+        """The context every forward of this stage (and its recompute) runs in: autocast for bf16."""
+        return autocast(self.precision, self.device)
 
     # -- gradient accumulation ------------------------------------------------------------
     def accumulate(self, grads: Sequence[Tensor | None]) -> None:

@@ -35,6 +35,8 @@ class UnitState:
             (:mod:`pipetrain.runtime.engine.recompute`).
         rng: the random state the forward started from (for that recompute).
         weight_work: what a zero-bubble I kept for its W (:mod:`pipetrain.runtime.engine.split_backward`).
+        recomputed: what autograd saved during the recompute of the forward (held with the
+            recomputed graph until the unit's last backward piece).
     """
 
     version: int
@@ -48,3 +50,4 @@ class UnitState:
     inputs: tuple[Any, ...] = ()
     rng: Any = None
     weight_work: WeightWork | None = None
+    recomputed: list[Tensor] = field(default_factory=list)

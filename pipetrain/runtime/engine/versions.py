@@ -62,6 +62,7 @@ class WeightVersions:
         self.recycle = recycle
         self._spare: dict[str, Tensor] | None = None
         self._refs: dict[int, weakref.ref] = {}
+        self._restored = False  # versions put back by restore: the next rebase keeps their indices
         self._track(0)
 
     # -- access ------------------------------------------------------------------------
@@ -139,7 +140,12 @@ class WeightVersions:
                         self._spare = dropped
 
     def rebase(self, last_use: Mapping[int, int] | None = None) -> None:
-        """Start a new schedule segment: the newest version becomes version 0."""
+        """Start a new schedule segment: the newest version becomes version 0 (after
+        :meth:`restore`: the restored versions keep their indices, once)."""
+        if self._restored:
+            self._restored = False
+            self._last_use = dict(last_use or {})
+            return
         latest = self.latest
         self._versions = {0: latest}
         self._refs = {}
@@ -151,6 +157,23 @@ class WeightVersions:
         tensors = list(self._versions[v].values())
         if tensors:
             self._refs[v] = weakref.ref(tensors[0])
+
+    @torch.no_grad()
+    def restore(self, versions: Mapping[int, Mapping[str, Tensor]], newest: int) -> None:
+        """Hold exactly ``versions`` (index -> tensors, the segment's own indices), ``newest``
+        the newest: the state of a checkpoint cut inside a segment
+        (:mod:`pipetrain.schedule.resume`), which the next :meth:`rebase` keeps."""
+        like = self.latest
+        self._versions = {v: {n: t.to(device=like[n].device, dtype=like[n].dtype).clone()
+                              .requires_grad_(like[n].requires_grad) for n, t in ts.items()}
+                          for v, ts in versions.items()}
+        self.newest = newest
+        self._refs = {}
+        for v in self._versions:
+            self._track(v)
+        self.peak = max(self.peak, len(self._versions))
+        self._spare = None
+        self._restored = True
 
     @torch.no_grad()
     def load(self, tensors: Mapping[str, Tensor]) -> None:

@@ -13,7 +13,9 @@ gradients      the gradient accumulators (``StageRuntime.gradient_buffers``: unf
 optimizer      optimizer state (SGD momentum 1x, Adam 2x the parameters)
 activations    per unit in flight: what autograd saved for its backward (counted with
                ``torch.autograd.graph.saved_tensors_hooks`` during the unit's F), the stage's
-               outputs (kept as the roots of its backward), and what a zero-bubble I kept for W
+               outputs (kept as the roots of its backward), the stage input a unit that
+               recomputes its forward keeps, and what a zero-bubble I kept for W (with
+               recomputation: also what the recompute in I saved)
 communication  receive buffers (comm's pool: free, posted, or held by a unit until its
                backward) and gradients waiting for their SEND_B
 data           the minibatches the run's data object caches (synthetic data: prefetched)
@@ -228,7 +230,7 @@ class TensorMemory(EngineHooks):
         if u is not None:
             led.hold(("unit-weights", *unit), u.params.values(), "weights")
             led.hold(("unit-recv", *unit), u.recv_bufs, "communication")
-            outs = [k for k in (storage_key(t) for t in u.outputs) if k is not None]
+            outs = [k for k in (storage_key(t) for t in [*u.outputs, *tensors_in(u.inputs)]) if k is not None]
             led.hold_keys(("unit-act", *unit), self._saved + outs, "activations")
         self._saved = []
         out = ex.outgoing(a.stage, a.mb, 0)
@@ -247,8 +249,8 @@ class TensorMemory(EngineHooks):
         """I kept what W needs and took the received output gradients."""
         u = ex.unit(a.stage, a.mb)
         if u is not None and u.weight_work is not None:
-            self.ledger.hold(("unit-kept", a.stage, a.mb), tensors_in(list(u.weight_work.kept.values())),
-                             "activations")
+            self.ledger.hold(("unit-kept", a.stage, a.mb),
+                             [*tensors_in(list(u.weight_work.kept.values())), *u.recomputed], "activations")
         if u is not None and u.grad_bufs:
             self.ledger.hold(("unit-grad", a.stage, a.mb), u.grad_bufs, "communication")
         self._hold_out_grads(ex, a)

@@ -18,6 +18,7 @@ a rank whose transfer then breaks finds that record and names that rank as the c
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -37,22 +38,32 @@ from ...job.model import build_stages
 from ...job.parse import parse_debug_fail
 from ...job.resolved import ResolvedRun, Segment
 from ...job.result import RankReport, RunResult
-from ...job.segments import segments_done, stage_step_count
+from ...job.segments import inner_checkpoints, segments_done, stage_step_count
 from ...models.bundle import ModelBundle
 from ...plan.cuts import node_modules, stage_first_nodes
 from ...plan.traffic import predict_traffic
 from ...schedule.action import Schedule
 from ...schedule.events import steady_state_rates, write_chrome_trace
+from ...schedule.resume import stage_updates, suffix
 from ...schedule.traffic import ReduceBuffer, TiedBuffer, Traffic, bytes_per_sample, traffic_report
 from ...stages.boundary import BoundaryCodec
 from ...stages.partition import build_stage_modules
 from ...stages.tied import alias_state, check_ties, stage_parameters, tied_buffers
-from ..checkpoints.export import check_resumable, load_checkpoint, save_final
-from ..checkpoints.periodic import RankView, every_name, lookup_any_name, restore, save_at_boundary
+from ..checkpoints.export import check_resumable, load_checkpoint, save_final, save_hf_final
+from ..checkpoints.periodic import (
+    CutCheckpoints,
+    RankView,
+    Restored,
+    every_name,
+    lookup_any_name,
+    restore_point,
+    save_at_boundary,
+)
 from ..engine.comm import Comm, cut_bytes, reduce_buffers
 from ..engine.executor import Executor
 from ..engine.hooks import EngineHooks
 from ..engine.optim import FunctionalOptimizer
+from ..engine.precision import wire_dtype
 from ..engine.stage_runtime import StageRuntime
 from ..engine.tied_sync import TiedSync
 from ..engine.units import UnitData, stage_part, unit_source
@@ -65,7 +76,7 @@ from ..process.setup import process_device, setup_process
 from ..process.signals import exit_on_signal
 from .forward_errors import ForwardErrors
 from .monitor import TrainMonitor
-from .pipeline_eval import evaluate
+from .pipeline_eval import EvalSnapshots, evaluate
 
 __all__ = ["worker_main", "run_rank", "init_distributed", "shutdown_process_group"]
 
@@ -194,6 +205,9 @@ class _Setup:
     timed_traffic: Traffic = field(default_factory=Traffic)   # Comm's counts over those segments, summed
     eval_traffic: Traffic = field(default_factory=Traffic)    # Comm's counts during evaluations
     evaluated: bool = False                                   # whether any evaluation ran
+    snapshots: EvalSnapshots | None = None    # asynchronous schedules' evaluations inside a segment (pipeline_eval.py)
+    cuts: CutCheckpoints | None = None        # asynchronous schedules' checkpoints inside a segment (periodic.py)
+    restored: Restored = field(default_factory=Restored)  # what --checkpoint-dir's resume loaded
 
 
 def _run(run: ResolvedRun, rank: int, world: int, device: torch.device) -> RunResult | None:
@@ -207,6 +221,8 @@ def _run(run: ResolvedRun, rank: int, world: int, device: torch.device) -> RunRe
     executor, step_losses, wall, end_step = _train(run, setup, rank, device)
     if cfg.checkpoint.save is not None:  # --save: every rank writes its part, rank 0 exports PATH
         save_final(_ckpt_view(run, setup, rank, device), cfg.checkpoint.save, end_step, setup.original_keys)
+    if cfg.checkpoint.save_hf is not None:  # --save-hf: every rank writes its own shard
+        save_hf_final(_ckpt_view(run, setup, rank, device), setup.original_keys)
     mine = _report(run, setup, rank, executor, step_losses, wall)
     gathered: list[Any] = [None] * world if rank == 0 else []
     dist.gather_object(mine, gathered if rank == 0 else None, dst=0)
@@ -237,7 +253,8 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     # (I and W) too: the sink's phase tells the layer which half runs (split_backward.py).
     fuse = cfg.performance.fused_grads
     stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedule.stage_ranks[k]),
-                              device, fuse_linear=fuse) for k in mine}
+                              device, fuse_linear=fuse, recompute=k in run.recompute_stages,
+                              precision=cfg.training.precision) for k in mine}
     first_nodes = stage_first_nodes(run.plan, [n.name for n in captured.graph.nodes if n.is_input])  # type: ignore[arg-type]
     first_modules = {n.name: (node_modules(n) or [""])[-1] for n in captured.gm.graph.nodes}
     # every stage's all-reduce buffers and the ties across stages: what the traffic prediction needs
@@ -254,7 +271,8 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     if cfg.checkpoint.resume:
         setup.start_step = _resume(cfg, stages, device)
     # resume from the latest complete checkpoint in --checkpoint-dir, if any (runtime/checkpoints/periodic.py)
-    setup.resumed_at = restore(_ckpt_view(run, setup, rank, device))
+    setup.restored = restore_point(_ckpt_view(run, setup, rank, device))
+    setup.resumed_at = setup.restored.step
     # Peak memory counts the training phase of this rank's own stages, not the building of
     # the whole model (which every rank does): reset the kernel's high-water mark here.
     setup.peak_reset = reset_peak_rss()
@@ -267,7 +285,8 @@ def _train(run: ResolvedRun, setup: _Setup, rank: int,
     """Run the segments; returns the executor, losses per step, timed seconds and the end step."""
     cfg = run.config
     comm = Comm(rank, run.schedule, setup.codecs, device, cfg.performance.timeout,
-                global_clip=cfg.synchronous and cfg.training.clip_grad_norm is not None)
+                global_clip=cfg.synchronous and cfg.training.clip_grad_norm is not None,
+                wire_dtype=wire_dtype(cfg.training.precision))  # --precision bf16: bf16 wires
     tied = _tied_sync(run, setup, rank, comm)  # creates its process groups right after Comm's, on every rank
     # Real data (--data): loaded by the ranks whose stages read it (data.unit_source).
     reads = stage_part(run.schedule, list(setup.stages)) is not None
@@ -275,6 +294,13 @@ def _train(run: ResolvedRun, setup: _Setup, rank: int,
     monitor = setup.monitor = TrainMonitor(run, rank, run.schedule, setup.start_step)
     data = _unit_data(run, setup, rank, device, source, setup.start_step, run.schedule)
     hooks = _hooks(run, setup, rank, tied=tied is not None)
+    if any(seg.evals for seg in run.segments):  # weights copied at their updates, evaluated at the segment's end
+        setup.snapshots = EvalSnapshots(monitor.clock.elapsed)
+        hooks.append(setup.snapshots)
+    ends = list(itertools.accumulate(s.steps for s in run.segments))
+    if any(inner_checkpoints(run, seg, end) for seg, end in zip(run.segments, ends)) or not setup.restored.drained:
+        setup.cuts = CutCheckpoints(lambda: _ckpt_view(run, setup, rank, device))  # a consistent cut, no drain
+        hooks.append(setup.cuts)
     executor = _executor(run, setup, rank, comm, data, monitor, tied, hooks)
     if setup.tensor_memory is not None:
         setup.tensor_memory.refresh_all(executor)  # counted from here on
@@ -360,26 +386,38 @@ class _Segments:
         target; returns the step reached."""
         segments = self.run.segments
         offset = self.setup.start_step
-        skip = segments_done([s.steps for s in segments], self.setup.resumed_at)
+        skip, inside = _resume_segment(self.run, self.setup.resumed_at)
         for i, seg in enumerate(segments):
             if i < skip:  # done before the checkpoint this run resumed from
                 offset += seg.steps
                 continue
-            self._train(seg, offset)
+            # a checkpoint inside this segment: its suffix (schedule/resume.py), the stashed versions restored
+            self._train(seg, offset, done=inside if i == skip else 0)
             offset += seg.steps
             if self._boundary(seg, offset):  # the target is reached: every rank saw the same evaluation
                 break
         self.monitor.close(offset)
         return offset
 
-    def _train(self, seg: Segment, offset: int) -> None:
-        """Run one segment's actions; a timed one extends the timeline, the clock and the traffic."""
+    def _train(self, seg: Segment, offset: int, done: int = 0) -> None:
+        """Run one segment's actions (from a checkpoint after ``done`` of its minibatches: the
+        rest, :func:`pipetrain.schedule.resume.suffix`); a timed one extends the timeline,
+        the clock and the traffic."""
         sched = seg.schedule
         assert sched is not None  # a distributed run has a schedule per segment (ResolvedRun.check)
         ex, setup, rank = self.executor, self.setup, self.rank
+        if done:
+            sched = suffix(sched, done)
+            _restore_versions(setup, sched, done)
         ex.data = _unit_data(self.run, setup, rank, self.device, self.source, offset, sched)
         if any(st.stage.is_first or st.stage.is_last for st in setup.stages.values()):
             ex.data.prefetch(seg.steps)  # data generation stays out of the timed window
+        if setup.snapshots is not None:
+            setup.snapshots.arm([t for t in self._inner_evals(seg, offset + seg.steps) if t > offset + done], offset,
+                                seg.steps, sched.workers[rank])
+        if setup.cuts is not None:
+            setup.cuts.arm(sched, rank, offset,
+                           [t for t in inner_checkpoints(self.run, seg, offset + seg.steps) if t > offset + done])
         dist.barrier()
         traffic0 = self._start_clock(time.perf_counter()) if seg.timed else None
         with naming_peer(rank, ex, sched.workers[rank]):  # a broken wait names its peer (peers.py)
@@ -392,7 +430,7 @@ class _Segments:
         if traffic0 is not None:
             self.monitor.clock.pause()
             self.wall = self.monitor.clock.elapsed()
-            setup.timed_steps += seg.steps
+            setup.timed_steps += seg.steps - done
             setup.timed_traffic = setup.timed_traffic + self.comm.traffic_since(traffic0)
             setup.timed_schedules.append(sched)
         for u, loss in ex.unit_losses().items():
@@ -411,21 +449,71 @@ class _Segments:
             clock.resume()
         return self.comm.traffic.copy()
 
+    @staticmethod
+    def _inner_evals(seg: Segment, end: int) -> list[int]:
+        """The evaluation steps inside ``seg`` when it ends at step ``end`` (its first part, cut
+        for a resume, may list steps of its second)."""
+        return [t for t in seg.evals if end - seg.steps < t < end]
+
     def _boundary(self, seg: Segment, offset: int) -> bool:
-        """The drained boundary after a segment: evaluate, checkpoint; whether to stop here."""
+        """The drained boundary after a segment: evaluate (the snapshots inside it, then its
+        end), checkpoint; whether to stop here."""
         run, setup = self.run, self.setup
         stop = False
+        evals: list[tuple[int, Any]] = []
+        clocks: list[float] = []
+        if setup.snapshots is not None:  # each stage's weights after its update of step t (pipeline_eval.py)
+            evals = list(setup.snapshots.take(setup.snapshots.armed, list(setup.stages)))
+            clocks = _latest_clocks([max(s.clock for s in snaps.values()) for _, snaps in evals], self.device)
         if seg.evaluate:  # every stage holds its newest weights (runtime/worker/pipeline_eval.py)
+            evals.append((offset, None))
+        for i, (step, snaps) in enumerate(evals):
             eval0 = self.comm.traffic.copy()  # evaluation's forward messages: counted apart from training
             eval_loss = None if setup.bundle.default_loss else setup.bundle.loss_fn
-            result = evaluate(run, self.source, run.schedule, self.rank, setup.stages, self.comm, eval_loss, offset,
-                              offset * run.batch_size, self.wall)
+            result = evaluate(run, self.source, run.schedule, self.rank, setup.stages, self.comm, eval_loss, step,
+                              step * run.batch_size, self.wall if snaps is None else clocks[i], weights=snaps)
             setup.eval_traffic = setup.eval_traffic + self.comm.traffic_since(eval0)
             setup.evaluated = True
             stop = self.monitor.on_eval(result)
+            if stop:  # the target is reached at this step: later evaluations are not the run's
+                break
         # a checkpoint when the segment's flag (resolve.segment_plan) or a stop says so
         save_at_boundary(_ckpt_view(run, setup, self.rank, self.device), offset, due=seg.checkpoint or stop)
         return stop
+
+
+def _resume_segment(run: ResolvedRun, step: int) -> tuple[int, int]:
+    """(segments done before ``step``, minibatches of the next one done): ``(i, 0)`` at a
+    segment boundary, ``(i, d)`` for a checkpoint cut inside segment ``i``."""
+    at = 0
+    for i, seg in enumerate(run.segments):
+        if at < step < at + seg.steps and step in inner_checkpoints(run, seg, at + seg.steps):
+            return i, step - at
+        at += seg.steps
+    return segments_done([s.steps for s in run.segments], step), 0
+
+
+def _restore_versions(setup: _Setup, sched: Schedule, done: int) -> None:
+    """Each stage holds the versions of a checkpoint cut after ``done`` minibatches again:
+    the newest (loaded by restore_point) and the stashed ones the suffix ``sched`` names."""
+    stashed = setup.restored.stashed
+    if setup.restored.drained:
+        raise RuntimeError("a checkpoint inside a segment must be resumed from its own versions; it was drained")
+    for k, st in setup.stages.items():
+        u = stage_updates(sched, k, done)
+        versions = {v: {n: ts[n] for n in st.stage.param_names if n in ts} for v, ts in stashed.items()}
+        held = {v: ts for v, ts in versions.items() if ts}
+        held[u] = dict(st.versions.latest)
+        st.versions.restore(held, newest=u)
+
+
+def _latest_clocks(clocks: list[float], device: torch.device) -> list[float]:
+    """The latest of every rank's clock readings, element by element (one collective)."""
+    if not clocks or not dist.is_initialized() or dist.get_world_size() == 1:
+        return clocks
+    t = torch.tensor(clocks, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [float(x) for x in t.tolist()]
 
 
 def _report(run: ResolvedRun, setup: _Setup, rank: int, executor: Executor, step_losses: dict[int, list[float]],
@@ -585,7 +673,7 @@ def _traffic_summary(run: ResolvedRun, setup: _Setup, gathered: list[RankReport]
     steps = setup.timed_steps
     samples = run.batch_size * steps
     measured = traffic_report([g.traffic for g in gathered], samples or None, steps or None)
-    cuts = cut_bytes(setup.codecs)
+    cuts = cut_bytes(setup.codecs, wire_dtype(cfg.training.precision))
     clip = cfg.synchronous and cfg.training.clip_grad_norm is not None
     predicted = {r: Traffic() for r in range(run.world_size)}
     for sched in setup.timed_schedules:

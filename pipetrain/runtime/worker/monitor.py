@@ -154,7 +154,7 @@ class TrainMonitor:
         if self.progress is not None:
             self.progress.eval(result)
         if self.logger is not None:
-            t = self.clock.elapsed()
+            t = result.wall_time or self.clock.elapsed()  # the clock at the evaluated step (pipeline_eval.py)
             done = result.step - self.start_step
             self.logger.log_eval(result, samples_per_second=done * self.batch_size / t if t > 0 else None)
         return reached and self.tracker.has_target

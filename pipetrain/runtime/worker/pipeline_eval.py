@@ -18,6 +18,17 @@ stages, forward only and without autograd:
    gives every rank the same :class:`~pipetrain.metrics.EvalResult`, so all ranks can stop
    together when a target is reached.
 
+Asynchronous schedules (pipedream, 2bw) are not cut at evaluation points: a drain there would
+make PipeDream with evaluation another algorithm than PipeDream without. An evaluation at step
+``t`` inside a segment (``Segment.evals``) is the model made of each stage's weights after its
+update of minibatch ``t``: :class:`EvalSnapshots`, an engine hook, copies a stage's newest
+weights (and buffers) right after that update, touching nothing the training reads; the
+segment's end evaluates these snapshots in step order, forward only, before its own
+evaluation. Training is bitwise the run without evaluation. The cost: one copy of a stage's
+weights per evaluation pending until the segment's end, in host memory. The ``wall_time`` of
+such an evaluation is the training clock when the last stage's snapshot was taken (the
+latest over ranks).
+
 At every boundary the worker (:func:`pipetrain.runtime.worker.main._train`) evaluates first (when the
 segment says ``evaluate``), then calls the checkpoint hook
 (:func:`pipetrain.runtime.checkpoints.periodic.save_at_boundary`), then stops if the target was
@@ -25,18 +36,21 @@ reached: every rank received the same evaluation, so every rank stops at the sam
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import Tensor
 from torch.func import functional_call
 
 from ...schedule.action import Action, Op, Schedule
 from ...schedule.comm import insert_comm
 from ..engine.comm import Comm
+from ..engine.hooks import EngineHooks, EngineView
+from ..engine.stage_runtime import StageRuntime
 
-__all__ = ["BoundaryContext", "EvalData", "evaluate", "forward_schedule", "run_forward"]
+__all__ = ["BoundaryContext", "EvalData", "EvalSnapshots", "Snapshot", "evaluate", "forward_schedule", "run_forward"]
 
 
 @dataclass
@@ -68,6 +82,73 @@ class BoundaryContext:
     eval: Any = None
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     final: bool = False
+
+
+# --------------------------------------------------------------------------- snapshots
+
+
+@dataclass
+class Snapshot:
+    """One stage's weights and buffers right after one of its updates, and the training clock then."""
+
+    params: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+    clock: float
+
+
+class EvalSnapshots(EngineHooks):
+    """Copies each local stage's newest weights right after the update that completes an
+    evaluation step (module docstring); the copies are taken out with :meth:`take`.
+
+    Stage ``k`` makes ``S_k`` updates over a segment of ``n`` minibatches starting at step
+    ``o`` (``S_k = n``, or ``n / r`` for a pipedream stage on ``r`` replicas), so the model of
+    step ``t`` holds stage ``k``'s version ``(t - o) * S_k / n`` of the segment.
+    """
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self.clock = clock
+        self._wanted: dict[int, dict[int, int]] = {}    # stage -> segment version -> step
+        self.armed: list[int] = []                       # the steps expected in this segment
+        self._taken: dict[int, dict[int, Snapshot]] = {}  # step -> stage -> snapshot
+
+    def arm(self, steps: Sequence[int], offset: int, length: int, actions: Sequence[Action]) -> None:
+        """Expect the evaluation ``steps`` in the segment of ``length`` minibatches from ``offset``
+        whose actions (this rank's) are ``actions``."""
+        self._wanted = {}
+        self.armed = list(steps)
+        counts: dict[int, int] = {}  # STEP g makes version g + 1 (also in a suffix, which lacks the first)
+        for a in actions:
+            if a.op is Op.STEP:
+                counts[a.stage] = max(counts.get(a.stage, 0), a.mb + 1)
+        for k, n_updates in counts.items():
+            for t in steps:
+                version, rest = divmod((t - offset) * n_updates, length)
+                if rest or version < 1:
+                    raise RuntimeError(f"stage {k} makes {n_updates} updates in {length} steps and cannot be "
+                                       f"evaluated after step {t}; pass an --eval-every its schedule can stop at")
+                self._wanted.setdefault(k, {})[version] = t
+
+    def after_update(self, ex: EngineView, st: StageRuntime, a: Action) -> None:
+        t = self._wanted.get(st.index, {}).get(st.versions.newest)
+        if t is None:
+            return
+        with torch.no_grad():  # host memory: a GPU holds only what training holds
+            params = {n: v.detach().to("cpu", copy=True) for n, v in st.versions.latest.items()}
+            buffers = {n: b.detach().to("cpu", copy=True) for n, b in st.stage.module.named_buffers()}
+        self._taken.setdefault(t, {})[st.index] = Snapshot(params, buffers, self.clock())
+
+    def take(self, steps: Sequence[int], stages: Sequence[int]) -> list[tuple[int, dict[int, Snapshot]]]:
+        """The snapshots of ``steps`` (in order) for every one of ``stages``; forgets them all."""
+        taken, self._taken = self._taken, {}
+        out = []
+        for t in steps:
+            got = taken.get(t, {})
+            missing = [k for k in stages if k not in got]
+            if missing:
+                raise RuntimeError(f"no snapshot of stage {missing[0]} after step {t}: its update of that step "
+                                   f"did not run in this segment")
+            out.append((t, got))
+        return out
 
 
 # --------------------------------------------------------------------------- the schedule
@@ -117,9 +198,11 @@ class EvalData:
 
 
 def run_forward(actions: Sequence[Action], stages: dict[int, Any], comm: Comm, data: EvalData | None,
-                on_output: Callable[[int, Any, Any], None], timeout: float) -> None:
+                on_output: Callable[[int, Any, Any], None], timeout: float,
+                weights: Mapping[int, Snapshot] | None = None) -> None:
     """Execute a forward-only action list without autograd; the last stage calls
-    ``on_output(unit, output, eval_batch)`` for each of its units."""
+    ``on_output(unit, output, eval_batch)`` for each of its units. ``weights``: each stage's
+    snapshot to run with (default: its newest version and its module's buffers)."""
     inbox: dict[tuple[int, int], list[torch.Tensor]] = {}
     outbox: dict[tuple[int, int], list[torch.Tensor]] = {}
     for st in stages.values():
@@ -141,7 +224,10 @@ def run_forward(actions: Sequence[Action], stages: dict[int, Any], comm: Comm, d
                     else:
                         codec = sm.in_codec
                         values = codec.decode(inbox.pop((a.stage, a.mb)))
-                    out = functional_call(sm.module, st.versions.latest, tuple(values))
+                    snap = weights[a.stage] if weights is not None else None
+                    tensors = st.versions.latest if snap is None else \
+                        {n: t.to(comm.device) for n, t in {**snap.params, **snap.buffers}.items()}
+                    out = functional_call(sm.module, tensors, tuple(values))
                     if sm.is_last:
                         on_output(a.mb, sm.finish_output(out), batch)
                     else:
@@ -154,9 +240,11 @@ def run_forward(actions: Sequence[Action], stages: dict[int, Any], comm: Comm, d
 
 
 def evaluate(run: Any, source: Any, schedule: Schedule, rank: int, stages: dict[int, Any], comm: Comm,
-             loss_fn: Any, step: int, samples: int, wall_time: float) -> Any:
-    """Evaluate the current weights on the eval split through the pipeline (module docstring);
-    every rank calls it and gets the same :class:`~pipetrain.metrics.EvalResult`."""
+             loss_fn: Any, step: int, samples: int, wall_time: float,
+             weights: Mapping[int, Snapshot] | None = None) -> Any:
+    """Evaluate the current weights (or each stage's snapshot in ``weights``) on the eval split
+    through the pipeline (module docstring); every rank calls it and gets the same
+    :class:`~pipetrain.metrics.EvalResult`."""
     import torch.distributed as dist
 
     from ...metrics import EvalAccumulator
@@ -173,7 +261,7 @@ def evaluate(run: Any, source: Any, schedule: Schedule, rank: int, stages: dict[
         if batch.count:
             acc.update(output, batch.target, loss_fn=loss_fn, count=batch.count)
 
-    run_forward(fwd.workers[rank], stages, comm, data, add, run.config.performance.timeout)
+    run_forward(fwd.workers[rank], stages, comm, data, add, run.config.performance.timeout, weights)
     total = acc.all_reduce(device=comm.device) if dist.is_initialized() and dist.get_world_size() > 1 else acc
     epoch = step / spec.steps_per_epoch
     return total.result(step, epoch, samples, wall_time)
