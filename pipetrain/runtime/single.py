@@ -240,9 +240,10 @@ _Evaluate = Callable[[int, float], Any]
 
 
 def evaluate_model(model: nn.Module, dataset: Any, batch_size: int, task: str, loss_fn: Any,
-                   device: torch.device) -> EvalAccumulator:
+                   device: torch.device, precision: str = "fp32") -> EvalAccumulator:
     """The :class:`~pipetrain.metrics.EvalAccumulator` of ``model`` over the whole ``dataset``
-    (eval mode, no autograd; the model's training mode is restored)."""
+    (eval mode, no autograd, the forward under ``precision``'s autocast as in training; the
+    model's training mode is restored)."""
     from ..data import EvalBatches
     from ..metrics import EvalAccumulator
 
@@ -254,7 +255,9 @@ def evaluate_model(model: nn.Module, dataset: Any, batch_size: int, task: str, l
             for b in EvalBatches(dataset, batch_size):
                 inputs = tuple(x.to(device) for x in b.inputs)
                 assert b.target is not None
-                acc.update(model(*inputs), b.target.to(device), loss_fn=loss_fn, count=b.count)
+                with autocast(precision, device):
+                    out = model(*inputs)
+                acc.update(out, b.target.to(device), loss_fn=loss_fn, count=b.count)
     finally:
         model.train(was)
     return acc
@@ -349,7 +352,8 @@ def _on_data(run: ResolvedRun, bundle: Any, model: nn.Module, names: list[str], 
                           workers=workers)
 
     def evaluate(step: int, seconds: float) -> Any:
-        acc = evaluate_model(model, source.eval, spec.eval_batch_size, spec.task, loss_fn if own else None, device)
+        acc = evaluate_model(model, source.eval, spec.eval_batch_size, spec.task, loss_fn if own else None, device,
+                             cfg.training.precision)
         return acc.result(step, step / spec.steps_per_epoch, step * run.batch_size, seconds)
 
     return _Trainee(model, loss_fn, names, optimizer, open_segment, evaluate,

@@ -8,6 +8,7 @@ the prediction; the weights stay float32. Bad precisions are refused in one line
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,9 +27,10 @@ TIMEOUT = 60
 
 def cfg(workers: int, precision: str, **kw: Any) -> TrainConfig:
     pipe: dict[str, Any] = dict(config="1-1", schedule="flush", microbatches=2) if workers > 1 else {}
-    return TrainConfig.of(model="gpt", model_options=GPT, workers=workers, batch_size=8, steps=6, seed=0,
-                          precision=precision, return_state=True, timeout=TIMEOUT, quiet=True, threads=1,
-                          optimizer=OptimizerConfig("sgd", lr=0.1), **pipe, **kw)
+    base: dict[str, Any] = dict(model="gpt", model_options=GPT, workers=workers, batch_size=8, steps=6, seed=0,
+                                precision=precision, return_state=True, timeout=TIMEOUT, quiet=True, threads=1,
+                                optimizer=OptimizerConfig("sgd", lr=0.1))
+    return TrainConfig.of(**{**base, **pipe, **kw})
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -86,3 +88,50 @@ def test_fp16_refused_in_one_line() -> None:
         TrainConfig.of(precision="fp16")
     with pytest.raises(RuntimeConfigError, match=r"unknown precision 'fp8'; valid: fp32, bf16"):
         TrainConfig.of(precision="fp8")
+
+
+def test_bf16_checkpoint_keeps_fp32_masters_and_resumes_equal(runs: dict[str, Any], tmp_path: Path) -> None:
+    """3 bf16 steps saved (``--save``, float32 masters) and resumed for 3 more equal the 6
+    steps straight: the same losses and weights (to 1e-6)."""
+    from pipetrain.run import train
+    from pipetrain.runtime.checkpoints.export import load_checkpoint
+
+    path = tmp_path / "bf16.pt"
+    first = train(cfg(2, "bf16", steps=3, save=str(path)))
+    assert first is not None
+    state, trainer = load_checkpoint(path)
+    assert trainer.step == 3 and all(t.dtype == torch.float32 for t in state.values() if t.is_floating_point())
+    resumed = train(cfg(2, "bf16", steps=3, resume=str(path)))
+    straight = runs["bf16"]
+    assert resumed is not None and resumed.start_step == 3
+    assert resumed.losses == pytest.approx(straight.losses[3:], rel=1e-6)
+    for n, t in straight.state.items():
+        assert rel_err(resumed.state[n], t) <= 1e-6, n
+
+
+def test_bf16_evaluation_runs_under_autocast_on_every_path() -> None:
+    """With real data, evaluations run their forwards under bf16 autocast as training does: the
+    last evaluation of a 2-stage bf16 run (at its final step) is the bf16 evaluation of its
+    final weights in one process (within 1% of the bf16-fp32 gap) and not their fp32 evaluation; one worker's likewise."""
+    from pipetrain.job.model import load_bundle
+    from pipetrain.runtime.single import evaluate_model
+
+    def c(workers: int) -> TrainConfig:
+        pipe: dict[str, Any] = dict(config="1-1", schedule="flush", microbatches=2) if workers > 1 else {}
+        return TrainConfig.of(model="mlp", model_options={"depth": 4, "width": 64}, data="digits", loader_workers=0,
+                              eval_every=3, batch_size=16, steps=6, seed=0, precision="bf16", workers=workers,
+                              return_state=True, timeout=TIMEOUT, quiet=True, threads=1,
+                              optimizer=OptimizerConfig("sgd", lr=0.1), **pipe)
+
+    two = resolve_run(c(2))
+    results = {"two": launch_local([two], timeout=TIMEOUT * 2)[0], "one": train_one_process(resolve_run(c(1)))}
+    source = two.data.load()
+    for name, res in results.items():
+        model = load_bundle(two.config, 8).model
+        model.load_state_dict(res.state)
+        got = res.eval_history[-1]
+        assert got["step"] == 6
+        ev = {p: evaluate_model(model, source.eval, two.data.eval_batch_size, "classification", None,
+                                torch.device("cpu"), p).result(6, 0.0, 0, 0.0).loss for p in ("bf16", "fp32")}
+        gap = abs(ev["bf16"] - ev["fp32"])  # bf16 and fp32 evaluations of these weights differ
+        assert gap > 0 and abs(got["loss"] - ev["bf16"]) <= 0.01 * gap, (name, got["loss"], ev)

@@ -48,6 +48,7 @@ from ...schedule.action import Action, Op, Schedule
 from ...schedule.comm import insert_comm
 from ..engine.comm import Comm
 from ..engine.hooks import EngineHooks, EngineView
+from ..engine.precision import autocast
 from ..engine.stage_runtime import StageRuntime
 
 __all__ = ["BoundaryContext", "EvalData", "EvalSnapshots", "Snapshot", "evaluate", "forward_schedule", "run_forward"]
@@ -199,10 +200,11 @@ class EvalData:
 
 def run_forward(actions: Sequence[Action], stages: dict[int, Any], comm: Comm, data: EvalData | None,
                 on_output: Callable[[int, Any, Any], None], timeout: float,
-                weights: Mapping[int, Snapshot] | None = None) -> None:
+                weights: Mapping[int, Snapshot] | None = None, precision: str = "fp32") -> None:
     """Execute a forward-only action list without autograd; the last stage calls
     ``on_output(unit, output, eval_batch)`` for each of its units. ``weights``: each stage's
-    snapshot to run with (default: its newest version and its module's buffers)."""
+    snapshot to run with (default: its newest version and its module's buffers);
+    ``precision``: the forwards run under its autocast, as training's do."""
     inbox: dict[tuple[int, int], list[torch.Tensor]] = {}
     outbox: dict[tuple[int, int], list[torch.Tensor]] = {}
     for st in stages.values():
@@ -227,7 +229,8 @@ def run_forward(actions: Sequence[Action], stages: dict[int, Any], comm: Comm, d
                     snap = weights[a.stage] if weights is not None else None
                     tensors = st.versions.latest if snap is None else \
                         {n: t.to(comm.device) for n, t in {**snap.params, **snap.buffers}.items()}
-                    out = functional_call(sm.module, tensors, tuple(values))
+                    with autocast(precision, comm.device):
+                        out = functional_call(sm.module, tensors, tuple(values))
                     if sm.is_last:
                         on_output(a.mb, sm.finish_output(out), batch)
                     else:
@@ -261,7 +264,8 @@ def evaluate(run: Any, source: Any, schedule: Schedule, rank: int, stages: dict[
         if batch.count:
             acc.update(output, batch.target, loss_fn=loss_fn, count=batch.count)
 
-    run_forward(fwd.workers[rank], stages, comm, data, add, run.config.performance.timeout, weights)
+    run_forward(fwd.workers[rank], stages, comm, data, add, run.config.performance.timeout, weights,
+                run.config.training.precision)
     total = acc.all_reduce(device=comm.device) if dist.is_initialized() and dist.get_world_size() > 1 else acc
     epoch = step / spec.steps_per_epoch
     return total.result(step, epoch, samples, wall_time)
