@@ -112,7 +112,8 @@ def test_bf16_checkpoint_keeps_fp32_masters_and_resumes_equal(runs: dict[str, An
 def test_bf16_evaluation_runs_under_autocast_on_every_path() -> None:
     """With real data, evaluations run their forwards under bf16 autocast as training does: the
     last evaluation of a 2-stage bf16 run (at its final step) is the bf16 evaluation of its
-    final weights in one process (within 1% of the bf16-fp32 gap) and not their fp32 evaluation; one worker's likewise."""
+    final weights in one process (within 1% of the bf16-fp32 gap), not their fp32 evaluation;
+    one worker's likewise."""
     from pipetrain.job.model import load_bundle
     from pipetrain.runtime.single import evaluate_model
 
