@@ -24,7 +24,7 @@ uses): ``dp``, ``pipedream`` (weight stashing), ``pipedream (no stashing)``, ``2
 Output: per case a Markdown table (schedule, reached, time to the target, epochs to the
 target, bytes per sample, speedup over dp in time to the target, bytes per sample as a
 fraction of dp's) and a PNG of the metric against training time with a distinct marker and
-line style per schedule (``--plot-dir``, one ``<case>_vs_time.png`` per case). Time to the
+line style per schedule (``--plot-dir``, one ``<case>_<H>hosts_vs_time.png`` per case). Time to the
 target is compare's training clock (evaluations excluded); bytes per sample are what all
 workers sent, counted by the workers.
 """
@@ -143,7 +143,7 @@ def _num(v: float | None, fmt: str, suffix: str = "") -> str:
 def _bytes(b: float | None) -> str:
     if b is None:
         return "-"
-    for unit, scale in (("MB", 1e6), ("KB", 1e3)):
+    for unit, scale in (("MB", 2.0 ** 20), ("KB", 2.0 ** 10)):  # as compare prints them
         if b >= scale:
             return f"{b / scale:.1f} {unit}"
     return f"{b:.0f} B"
@@ -221,7 +221,8 @@ def render(result: dict[str, Any], plot_dir: str | None) -> str:
         target = f"{c['target']:g}" if c["metric"] == "accuracy" else f"loss {c['target']:g}"
         parts.append(markdown_table(table_rows(rows), target) + "\n")
         if plot_dir:
-            p = write_plot(rows, c["metric"], c["target"], Path(plot_dir) / f"{name}_vs_time.png",
+            png = Path(plot_dir) / f"{name}_{result['hosts']}hosts_vs_time.png"
+            p = write_plot(rows, c["metric"], c["target"], png,
                            f"{c['title']}, {result['hosts']} hosts at {result['bandwidth']}")
             parts.append(f"![{c['title']}]({p})\n")
     return "\n".join(parts)

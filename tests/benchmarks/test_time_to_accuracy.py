@@ -41,8 +41,8 @@ def test_markdown_table_has_one_line_per_row_and_the_figures() -> None:
     md = tta.markdown_table(tta.table_rows(_rows()), "0.9").splitlines()
     assert md[0].startswith("| schedule | reached | time to 0.9 | epochs to 0.9 | bytes/sample")
     assert len(md) == 2 + 3
-    assert md[3] == "| pipedream | yes | 3.0 s | 2.75 | 8.0 KB | 3.00x | 0.40% |"
-    assert md[4] == "| flush | no | - | - | 8.0 KB | - | 0.40% |"
+    assert md[3] == "| pipedream | yes | 3.0 s | 2.75 | 7.8 KB | 3.00x | 0.40% |"
+    assert md[4] == "| flush | no | - | - | 7.8 KB | - | 0.40% |"
 
 
 def test_write_plot_writes_a_png_and_render_uses_saved_json(tmp_path: Path) -> None:
@@ -56,8 +56,8 @@ def test_write_plot_writes_a_png_and_render_uses_saved_json(tmp_path: Path) -> N
     md_path = tmp_path / "out.md"
     assert tta.main(["--from-json", str(src), "--plot-dir", str(tmp_path / "plots"), "--markdown", str(md_path)]) == 0
     md = md_path.read_text()
-    assert "pipetrain cluster run -- compare" in md and "| dp | yes | 9.0 s | 2.50 | 2.0 MB | 1.00x | 100.00% |" in md
-    assert (tmp_path / "plots" / "image_vs_time.png").exists()
+    assert "pipetrain cluster run -- compare" in md and "| dp | yes | 9.0 s | 2.50 | 1.9 MB | 1.00x | 100.00% |" in md
+    assert (tmp_path / "plots" / "image_2hosts_vs_time.png").exists()
 
 
 def test_command_runs_compare_on_the_cluster_with_the_target_and_no_stashing_row() -> None:

@@ -28,6 +28,8 @@ EXCLUDED = [
     (r"^torchrun --nnodes 2", "needs two machines"),
     (r"^pipetrain (cluster|calibrate --hosts)", "needs root: network namespaces (tests/cluster/ runs them as root)"),
     (r"benchmarks/(cluster|run)\.py", "a benchmark: 5 to 35 minutes (tests/benchmarks/ checks its presets)"),
+    (r"benchmarks/time_to_accuracy\.py", "needs root (the emulated cluster) and minutes (tests/benchmarks/ checks its "
+                                         "tables and plots)"),
     (r"--data fashion-mnist", "needs Debian's dataset-fashion-mnist files, and evaluates 10,000 images a row"),
 ]
 #: Commands run without the fast mode, because the figures stated for them are checked.
