@@ -21,7 +21,7 @@ from .config import TrainConfig
 from .resolved import ResolvedRun
 
 __all__ = ["check_boundary", "check_optimizer", "checkpoint_due", "checkpoint_steps", "cut_at", "inner_checkpoints",
-           "resumes_inside", "same_layout", "segments_done", "stage_step_count"]
+           "inner_point", "resumes_inside", "same_layout", "segments_done", "stage_step_count"]
 
 
 def stage_step_count(schedule: Schedule, stage: int) -> int:
@@ -117,19 +117,24 @@ def same_layout(info: dict[str, Any], world_size: int, run: ResolvedRun) -> bool
             and info.get("schedule") == run.config.parallel.schedule)
 
 
+def inner_point(run: ResolvedRun, step: int) -> tuple[int, int] | None:
+    """``(segment, minibatches of it done)`` when ``step`` is one of ``run``'s checkpoint
+    points inside a segment (:func:`inner_checkpoints`); None otherwise."""
+    at = 0
+    for i, seg in enumerate(run.segments):
+        if at < step < at + seg.steps:
+            return (i, step - at) if step in inner_checkpoints(run, seg, at + seg.steps) else None
+        at += seg.steps
+    return None
+
+
 def resumes_inside(run: ResolvedRun, info: dict[str, Any], world_size: int, step: int) -> bool:
     """A checkpoint cut inside a segment without a drain (``"drained": false``) that ``run``
     resumes from its own versions: same layout, and ``step`` is one of ``run``'s own inner
     checkpoint points. Any other checkpoint is resumed as if drained at ``step``
     (:func:`cut_at`)."""
-    if info.get("drained") is not False or not same_layout(info, world_size, run):
-        return False
-    at = 0
-    for seg in run.segments:
-        if at < step < at + seg.steps:
-            return step in inner_checkpoints(run, seg, at + seg.steps)
-        at += seg.steps
-    return False
+    return (info.get("drained") is False and same_layout(info, world_size, run)
+            and inner_point(run, step) is not None)
 
 
 def cut_at(run: ResolvedRun, step: int) -> ResolvedRun:

@@ -2,12 +2,13 @@
 
 The worker calls two functions (``--checkpoint-dir DIR``):
 
-- :func:`restore` once, after building its stages: every rank loads, from the latest
+- :func:`restore_point` once, after building its stages: every rank loads, from the latest
   complete checkpoint in ``DIR`` (:func:`~pipetrain.checkpoint.latest_checkpoint`, chosen
   by rank 0 and broadcast so that all ranks agree), exactly the parameters, buffers and
   optimizer state of *its* stages, by the model's own names
   (:func:`~pipetrain.checkpoint.load_for_rank`). The plan, schedule and worker count of the
-  saving run do not matter. It returns the step to continue from (0: a fresh run); the
+  saving run do not matter. It returns the step to continue from (0: a fresh run; with a
+  cut inside a segment of this layout, also its stashed versions, :class:`Restored`); the
   worker skips the segments before it (:func:`pipetrain.job.segments.segments_done`).
 - :func:`save_at_boundary` after every segment, on every rank: at a boundary the
   pipeline is **drained to a clean point first** (every unit of the segment has finished its
@@ -70,7 +71,7 @@ from ..engine.stage_runtime import StageRuntime
 from ..process.faults import first_attempt, kill_self
 
 __all__ = ["RankView", "CutCheckpoints", "Restored", "every_name", "lookup_any_name", "save_at_boundary", "on_boundary",
-           "restore", "restore_point", "manifest_info", "rank_state"]
+           "restore_point", "manifest_info", "rank_state"]
 
 log = logging.getLogger("pipetrain.checkpoint")
 V = TypeVar("V")
@@ -371,11 +372,6 @@ class Restored:
     step: int = 0
     drained: bool = True
     stashed: dict[int, dict[str, Tensor]] = field(default_factory=dict)
-
-
-def restore(view: RankView) -> int:
-    """:func:`restore_point`'s step (0: nothing to resume)."""
-    return restore_point(view).step
 
 
 @torch.no_grad()

@@ -98,6 +98,14 @@ class _LinearAccumulate(torch.autograd.Function):
         return gx, None, None, None, None, None
 
 
+def _plain(x: Tensor, weight: Tensor) -> bool:
+    """Whether a linear runs as plain ``F.linear``: no gradient to feed, or under autocast
+    (``--precision bf16``: autocast casts its operands, and its weight gradient reaches the
+    sink through the executor, ``StageRuntime.accumulate``)."""
+    return (not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad)
+            or torch.is_autocast_enabled(x.device.type))
+
+
 class AccumulatingLinear(nn.Linear):
     """An ``nn.Linear`` (same parameters, same forward) whose backward feeds a :class:`GradSink`."""
 
@@ -110,10 +118,7 @@ class AccumulatingLinear(nn.Linear):
         self._pt_sink, self._pt_wname, self._pt_bname = sink, wname, bname
 
     def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
-        # under autocast (--precision bf16) the plain layer: autocast casts its operands, and
-        # its weight gradient reaches the sink through the executor (StageRuntime.accumulate)
-        if (not torch.is_grad_enabled() or not (self.weight.requires_grad or x.requires_grad)
-                or torch.is_autocast_enabled(x.device.type)):
+        if _plain(x, self.weight):
             return F.linear(x, self.weight, self.bias)
         return _LinearAccumulate.apply(x, self.weight, self.bias, self._pt_sink, self._pt_wname, self._pt_bname)
 
@@ -130,8 +135,7 @@ class FusedLinearCall:
         self.sink, self.wname, self.bname = sink, wname, bname
 
     def __call__(self, x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-        if (not torch.is_grad_enabled() or not (weight.requires_grad or x.requires_grad)
-                or torch.is_autocast_enabled(x.device.type)):
+        if _plain(x, weight):
             return F.linear(x, weight, bias)
         return cast(Tensor, _LinearAccumulate.apply(x, weight, bias, self.sink, self.wname, self.bname))
 

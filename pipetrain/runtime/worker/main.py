@@ -38,7 +38,7 @@ from ...job.model import build_stages
 from ...job.parse import parse_debug_fail
 from ...job.resolved import ResolvedRun, Segment
 from ...job.result import RankReport, RunResult
-from ...job.segments import inner_checkpoints, segments_done, stage_step_count
+from ...job.segments import inner_checkpoints, inner_point, segments_done, stage_step_count
 from ...models.bundle import ModelBundle
 from ...plan.cuts import node_modules, stage_first_nodes
 from ...plan.traffic import predict_traffic
@@ -413,8 +413,8 @@ class _Segments:
         if any(st.stage.is_first or st.stage.is_last for st in setup.stages.values()):
             ex.data.prefetch(seg.steps)  # data generation stays out of the timed window
         if setup.snapshots is not None:
-            setup.snapshots.arm([t for t in self._inner_evals(seg, offset + seg.steps) if t > offset + done], offset,
-                                seg.steps, sched.workers[rank])
+            setup.snapshots.arm(sched, rank, offset,
+                                [t for t in self._inner_evals(seg, offset + seg.steps) if t > offset + done])
         if setup.cuts is not None:
             setup.cuts.arm(sched, rank, offset,
                            [t for t in inner_checkpoints(self.run, seg, offset + seg.steps) if t > offset + done])
@@ -485,12 +485,8 @@ class _Segments:
 def _resume_segment(run: ResolvedRun, step: int) -> tuple[int, int]:
     """(segments done before ``step``, minibatches of the next one done): ``(i, 0)`` at a
     segment boundary, ``(i, d)`` for a checkpoint cut inside segment ``i``."""
-    at = 0
-    for i, seg in enumerate(run.segments):
-        if at < step < at + seg.steps and step in inner_checkpoints(run, seg, at + seg.steps):
-            return i, step - at
-        at += seg.steps
-    return segments_done([s.steps for s in run.segments], step), 0
+    inside = inner_point(run, step)
+    return inside if inside is not None else (segments_done([s.steps for s in run.segments], step), 0)
 
 
 def _restore_versions(setup: _Setup, sched: Schedule, done: int) -> None:

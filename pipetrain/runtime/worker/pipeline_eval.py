@@ -46,9 +46,9 @@ from torch.func import functional_call
 
 from ...schedule.action import Action, Op, Schedule
 from ...schedule.comm import insert_comm
+from ...schedule.resume import stage_updates
 from ..engine.comm import Comm
 from ..engine.hooks import EngineHooks, EngineView
-from ..engine.precision import autocast
 from ..engine.stage_runtime import StageRuntime
 
 __all__ = ["BoundaryContext", "EvalData", "EvalSnapshots", "Snapshot", "evaluate", "forward_schedule", "run_forward"]
@@ -112,20 +112,23 @@ class EvalSnapshots(EngineHooks):
         self.armed: list[int] = []                       # the steps expected in this segment
         self._taken: dict[int, dict[int, Snapshot]] = {}  # step -> stage -> snapshot
 
-    def arm(self, steps: Sequence[int], offset: int, length: int, actions: Sequence[Action]) -> None:
-        """Expect the evaluation ``steps`` in the segment of ``length`` minibatches from ``offset``
-        whose actions (this rank's) are ``actions``."""
+    def arm(self, schedule: Schedule, rank: int, offset: int, steps: Sequence[int]) -> None:
+        """Expect the evaluation ``steps`` (from the run's first minibatch) in the segment
+        ``schedule`` starting at step ``offset``; ``schedule`` is what this rank runs (a
+        suffix after a resume: versions keep the segment's indices)."""
         self._wanted = {}
         self.armed = list(steps)
-        counts: dict[int, int] = {}  # STEP g makes version g + 1 (also in a suffix, which lacks the first)
-        for a in actions:
-            if a.op is Op.STEP:
-                counts[a.stage] = max(counts.get(a.stage, 0), a.mb + 1)
-        for k, n_updates in counts.items():
+        for k in schedule.stages_of_rank(rank):
+            n_updates = stage_updates(schedule, k, schedule.steps)  # in the whole segment
+            if not n_updates:
+                continue
             for t in steps:
-                version, rest = divmod((t - offset) * n_updates, length)
-                if rest or version < 1:
-                    raise RuntimeError(f"stage {k} makes {n_updates} updates in {length} steps and cannot be "
+                try:
+                    version = stage_updates(schedule, k, t - offset)
+                except ValueError:  # no update of stage k completes step t
+                    version = 0
+                if version < 1:
+                    raise RuntimeError(f"stage {k} makes {n_updates} updates in {schedule.steps} steps and cannot be "
                                        f"evaluated after step {t}; pass an --eval-every its schedule can stop at")
                 self._wanted.setdefault(k, {})[version] = t
 
@@ -200,11 +203,11 @@ class EvalData:
 
 def run_forward(actions: Sequence[Action], stages: dict[int, Any], comm: Comm, data: EvalData | None,
                 on_output: Callable[[int, Any, Any], None], timeout: float,
-                weights: Mapping[int, Snapshot] | None = None, precision: str = "fp32") -> None:
+                weights: Mapping[int, Snapshot] | None = None) -> None:
     """Execute a forward-only action list without autograd; the last stage calls
     ``on_output(unit, output, eval_batch)`` for each of its units. ``weights``: each stage's
-    snapshot to run with (default: its newest version and its module's buffers);
-    ``precision``: the forwards run under its autocast, as training's do."""
+    snapshot to run with (default: its newest version and its module's buffers). Every
+    forward runs in its stage's compute scope (bf16 autocast), as training's do."""
     inbox: dict[tuple[int, int], list[torch.Tensor]] = {}
     outbox: dict[tuple[int, int], list[torch.Tensor]] = {}
     for st in stages.values():
@@ -229,7 +232,7 @@ def run_forward(actions: Sequence[Action], stages: dict[int, Any], comm: Comm, d
                     snap = weights[a.stage] if weights is not None else None
                     tensors = st.versions.latest if snap is None else \
                         {n: t.to(comm.device) for n, t in {**snap.params, **snap.buffers}.items()}
-                    with autocast(precision, comm.device):
+                    with st.compute_scope():
                         out = functional_call(sm.module, tensors, tuple(values))
                     if sm.is_last:
                         on_output(a.mb, sm.finish_output(out), batch)
@@ -264,8 +267,7 @@ def evaluate(run: Any, source: Any, schedule: Schedule, rank: int, stages: dict[
         if batch.count:
             acc.update(output, batch.target, loss_fn=loss_fn, count=batch.count)
 
-    run_forward(fwd.workers[rank], stages, comm, data, add, run.config.performance.timeout, weights,
-                run.config.training.precision)
+    run_forward(fwd.workers[rank], stages, comm, data, add, run.config.performance.timeout, weights)
     total = acc.all_reduce(device=comm.device) if dist.is_initialized() and dist.get_world_size() > 1 else acc
     epoch = step / spec.steps_per_epoch
     return total.result(step, epoch, samples, wall_time)
