@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from ..errors import PipetrainError
-from ..runtime.launch import reopen_closed_std_fds
+from ..runtime.process.forkserver import reopen_closed_std_fds, start_server, wants_local_workers
 
 #: Subcommands listed first, in the data flow's order; any other ``NAME_cmd`` module follows.
 _FIRST = ["profile", "plan", "simulate", "train"]
@@ -69,6 +69,8 @@ def quiet_resource_tracker() -> None:
 def main(argv: list[str] | None = None) -> int:
     reopen_closed_std_fds()  # before any socket: under torchrun too, descriptors pass to workers
     quiet_resource_tracker()  # before any semaphore: the error line stays the last line
+    if wants_local_workers(sys.argv[1:] if argv is None else argv):
+        start_server()  # its imports overlap this process's (runtime/process/forkserver.py)
     return dispatch(build_parser(), argv)
 
 

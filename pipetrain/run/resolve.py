@@ -232,10 +232,21 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
             "--schedule auto across hosts needs the links' measured costs: run `pipetrain calibrate --output FILE` "
             "on these hosts and pass --calibration FILE, or name a schedule")
 
+    from ..models import MODEL_NAMES
+    from ..models.bundle import example_inputs
+
+    built: list[Any] = []
+
     def model_at(samples: int) -> tuple[Any, tuple[Any, ...]]:
-        bundle = _load(cfg, samples, weights=True)  # profiled: real weights
+        if cfg.model.name in MODEL_NAMES:  # a built-in model does not depend on the batch: built once
+            if not built:
+                built.append(_load(cfg, samples, weights=True))  # profiled: real weights
+            bundle, example = built[0], example_inputs(built[0].make_batch, samples)
+        else:  # a factory may size its model by the batch it is given
+            bundle = _load(cfg, samples, weights=True)
+            example = bundle.example_inputs
         inputs = bundle.make_batch(samples, torch.Generator().manual_seed(cfg.training.seed))[0]
-        return capture(bundle.model, bundle.example_inputs), tuple(inputs)
+        return capture(bundle.model, example), tuple(inputs)
 
     def accept(c: Any, captured: Any) -> str | None:
         from ..stages.partition import partition_graph

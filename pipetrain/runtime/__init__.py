@@ -22,13 +22,46 @@ single-process references of a resolved run). Configuration in, result out is
 """
 from __future__ import annotations
 
-from .engine.optim import FunctionalOptimizer
-from .engine.versions import WeightVersions
-from .launch import launch_local
-from .process.failures import FailureRecord, WorkerFailure
-from .reference import replay_config, replay_schedule, single_config
-from .single import train_one_process, train_single_process
-from .worker.main import run_rank
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
+    from .engine.optim import FunctionalOptimizer
+    from .engine.versions import WeightVersions
+    from .launch import launch_local
+    from .process.failures import FailureRecord, WorkerFailure
+    from .reference import replay_config, replay_schedule, single_config
+    from .single import train_one_process, train_single_process
+    from .worker.main import run_rank
+
+#: Each public name and the submodule it is imported from, on first use: importing the
+#: package imports none of them (the command line starts its fork server first).
+_LAZY = {
+    "FunctionalOptimizer": "engine.optim",
+    "WeightVersions": "engine.versions",
+    "launch_local": "launch",
+    "FailureRecord": "process.failures",
+    "WorkerFailure": "process.failures",
+    "replay_config": "reference",
+    "replay_schedule": "reference",
+    "single_config": "reference",
+    "train_one_process": "single",
+    "train_single_process": "single",
+    "run_rank": "worker.main",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
 
 __all__ = [
     "FailureRecord", "FunctionalOptimizer", "WeightVersions", "WorkerFailure", "launch_local", "replay_config",

@@ -2,7 +2,9 @@
 
 :func:`launch_local` starts ``world_size`` local processes with
 ``torch.distributed.launcher.api.elastic_launch`` (the launcher ``torchrun`` itself uses:
-c10d rendezvous on ``127.0.0.1:<free port>``, ``max_restarts`` from ``--max-restarts``), hands
+c10d rendezvous on ``127.0.0.1:<free port>``, ``max_restarts`` from ``--max-restarts``), forked
+from a server that has imported torch and the worker once
+(:mod:`pipetrain.runtime.process.forkserver`), hands
 each the resolved runs (pickled with the entry point's arguments), and returns rank 0's
 results. A worker's failure surfaces as one :class:`~pipetrain.runtime.process.failures.WorkerFailure`,
 built from the structured :class:`~pipetrain.runtime.process.failures.FailureRecord` the failing rank posted in a
@@ -27,6 +29,7 @@ from ..errors import RuntimeConfigError
 from ..job.resolved import ResolvedRun
 from ..job.result import RunResult
 from .process.failures import FailureBoard, WorkerFailure
+from .process.forkserver import StdStreams, forked_entry, reopen_closed_std_fds, start_method, start_server
 from .process.peers import killed_rank
 from .process.signals import STOP_SIGNALS, RunInterrupted, interrupted_exit
 
@@ -90,19 +93,6 @@ def _worker_failure(e: Any, board: FailureBoard) -> BaseException:
     return WorkerFailure(rank, _failure_text(failure))
 
 
-def reopen_closed_std_fds() -> None:
-    """Give closed standard descriptors /dev/null (CI jobs and daemons may start us without stdin).
-
-    Otherwise the launcher's next socket takes descriptor 0 and is inherited as the stdin of
-    every worker process, which makes torchrun's rendezvous stall or fail at shutdown.
-    """
-    for fd in (0, 1, 2):
-        try:
-            os.fstat(fd)
-        except OSError:
-            os.open(os.devnull, os.O_RDWR)  # the lowest free descriptor: this one
-
-
 def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0, max_restarts: int = 0) -> list[RunResult]:
     """Run ``runs`` one after the other in ``world_size`` fresh local processes (one launch).
 
@@ -130,13 +120,18 @@ def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0, max_restar
     port = free_port()
     saved_omp = os.environ.get("OMP_NUM_THREADS")
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # the children's default (torch threads are set per worker)
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, rdzv_backend="c10d",
-                      rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=max_restarts,
+    # One agent on this machine: torchrun's static rendezvous (a TCP store at the endpoint).
+    # The dynamic c10d one records each of its steps with inspect.stack(), about 2 CPU
+    # seconds per launch with torch imported.
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=workers, rdzv_backend="static",
+                      rdzv_endpoint=f"127.0.0.1:{port}", rdzv_configs={"rank": 0}, max_restarts=max_restarts,
                       run_id=f"pipetrain-{uuid.uuid4().hex[:8]}",
-                      monitor_interval=0.05, start_method="spawn", rdzv_timeout=int(max(30, timeout)))
+                      monitor_interval=0.05, start_method=start_method(), rdzv_timeout=int(max(30, timeout)))
+    start_server()  # forked workers (process/forkserver.py): no import of torch each
     try:
         with _quiet_launcher():
-            out = elastic_launch(lc, worker_main)(list(runs), ("127.0.0.1", int(store.port)))
+            out = elastic_launch(lc, forked_entry)(worker_main, dict(os.environ), StdStreams(), list(runs),
+                                                   ("127.0.0.1", int(store.port)))
     except SignalException as e:  # the agent stopped the workers and waited for them
         raise RunInterrupted(int(e.sigval)) from None
     except KeyboardInterrupt:  # Ctrl-C before the agent took the signal: it stops the workers on its way out

@@ -67,8 +67,12 @@ def test_recompute_equals_no_recompute(runs: dict[tuple[str, bool], Any], name: 
 def test_recompute_equals_replay(runs: dict[tuple[str, bool], Any], name: str) -> None:
     run, res = runs[(name, True)]
     rep = replay_config(run)
+    # Attention's key bias has a zero gradient (softmax ignores a shift shared by every key):
+    # it holds rounding noise (about 1e-12), which the runtime and the replay round apart.
+    # Errors are relative to each tensor's largest value, at least 1e-6 of the model's.
+    floor = 1e-6 * max(float(t.abs().max()) for t in rep.params.values())
     for n, t in rep.params.items():
-        err = rel_err(res.state[n], t)
+        err = float((res.state[n].float() - t.float()).abs().max()) / max(float(t.abs().max()), floor)
         assert err <= 1e-5, f"{name} {n}: relative error {err:.2e} > 1e-5"
 
 

@@ -1,4 +1,5 @@
-"""Weight gradients of ``nn.Linear`` layers accumulated straight into the stage's buffers.
+"""Weight gradients of ``nn.Linear`` and ``nn.Embedding`` layers accumulated straight into
+the stage's buffers.
 
 A microbatched schedule adds the weight gradient of every unit into one buffer per parameter
 (design.md's gradient accounting). Through autograd this costs, per layer and unit, a fresh
@@ -17,6 +18,14 @@ stage's parameters to :class:`FusedLinearCall`), whose backward returns no weigh
 autograd: the executor must treat a parameter the sink wrote as having a gradient (and add
 any other gradient autograd returns for it, e.g. a weight also read elsewhere).
 
+An embedding's weight gradient is ``index_add`` of the output gradient's rows at the looked-up
+indices. Through autograd every unit materialises it densely (``vocab x d``, a language
+model's largest gradient) before adding it into the buffer; :class:`AccumulatingEmbedding`
+and :class:`FusedEmbeddingCall` ``index_add_`` the rows into the buffer itself (zeroed by the
+group's first unit), so no unit allocates a second table. ``padding_idx`` rows get no
+gradient, as in ``F.embedding``; ``max_norm``, ``scale_grad_by_freq`` and ``sparse`` keep
+autograd's path.
+
 Split backwards (zero-bubble I and W, split_backward.py): the sink's ``phase`` says which
 half runs. ``"input"``: the layer's backward computes only ``g w`` (the input gradient) and
 marks itself done; ``"weight"``: only ``g^T x`` into the accumulator (and the bias), plus
@@ -30,7 +39,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GradSink", "AccumulatingLinear", "install"]
+__all__ = ["GradSink", "AccumulatingEmbedding", "AccumulatingLinear", "FusedEmbeddingCall", "FusedLinearCall",
+           "install"]
 
 
 class GradSink:
@@ -53,6 +63,15 @@ class GradSink:
         else:
             acc.copy_(value)
             self.touched.add(name)
+
+    def add_rows(self, name: str, index: Tensor, rows: Tensor) -> None:
+        """``acc[index[i]] += rows[i]`` in place (``index_add_``), the accumulator zeroed first
+        by the group's first writer."""
+        acc = self.buffers[name]
+        if name not in self.touched:
+            acc.zero_()
+            self.touched.add(name)
+        acc.index_add_(0, index, rows.to(acc.dtype))
 
     def add_mm(self, name: str, a: Tensor, b: Tensor) -> None:
         """``acc (+)= a @ b`` in place, the GEMM writing into the accumulator."""
@@ -98,6 +117,34 @@ class _LinearAccumulate(torch.autograd.Function):
         return gx, None, None, None, None, None
 
 
+class _EmbeddingAccumulate(torch.autograd.Function):
+    """``F.embedding`` whose backward adds the weight gradient into a :class:`GradSink` (rows
+    at the indices; none for ``padding_idx``)."""
+
+    @staticmethod
+    def forward(ctx: Any, weight: Tensor, index: Tensor, padding_idx: int | None,  # type: ignore[override]
+                sink: GradSink, wname: str) -> Tensor:
+        ctx.save_for_backward(index)
+        ctx.sink, ctx.wname, ctx.padding_idx = sink, wname, padding_idx
+        ctx.set_materialize_grads(False)
+        return F.embedding(index, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx: Any, g: Tensor | None) -> tuple[None, None, None, None, None]:  # type: ignore[override]
+        sink: GradSink = ctx.sink
+        if g is None or sink.phase == "input" or not ctx.needs_input_grad[0]:
+            return None, None, None, None, None  # I: an embedding has no input gradient
+        (index,) = ctx.saved_tensors
+        flat, rows = index.reshape(-1), g.reshape(-1, g.shape[-1])
+        if ctx.padding_idx is not None:
+            keep = flat != ctx.padding_idx
+            flat, rows = flat[keep], rows[keep]
+        sink.add_rows(ctx.wname, flat, rows)
+        if sink.probe is not None:
+            sink.probe.add_(rows.sum())
+        return None, None, None, None, None
+
+
 def _plain(x: Tensor, weight: Tensor) -> bool:
     """Whether a linear runs as plain ``F.linear``: no gradient to feed, or under autocast
     (``--precision bf16``: autocast casts its operands, and its weight gradient reaches the
@@ -123,6 +170,47 @@ class AccumulatingLinear(nn.Linear):
         return _LinearAccumulate.apply(x, self.weight, self.bias, self._pt_sink, self._pt_wname, self._pt_bname)
 
 
+def _padding(padding_idx: int | None, rows: int) -> int | None:
+    """``padding_idx`` as ``F.embedding`` normalises it (``None`` or ``-1``: none)."""
+    if padding_idx is None or padding_idx == -1:
+        return None
+    return padding_idx + rows if padding_idx < 0 else padding_idx
+
+
+class AccumulatingEmbedding(nn.Embedding):
+    """An ``nn.Embedding`` (same parameters, same forward) whose backward feeds a :class:`GradSink`."""
+
+    _pt_sink: GradSink
+    _pt_wname: str
+
+    def feed(self, sink: GradSink, wname: str) -> None:
+        """Write the weight gradient (``wname``) into ``sink``."""
+        self._pt_sink, self._pt_wname = sink, wname
+
+    def forward(self, x: Tensor) -> Tensor:  # type: ignore[override]
+        if not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return F.embedding(x, self.weight, self.padding_idx)
+        return cast(Tensor, _EmbeddingAccumulate.apply(self.weight, x, self.padding_idx, self._pt_sink,
+                                                       self._pt_wname))
+
+
+class FusedEmbeddingCall:
+    """``aten.embedding(w, index, padding_idx)`` of an exported graph (``w`` read by
+    ``get_attr``) whose backward feeds a :class:`GradSink`: :class:`AccumulatingEmbedding`'s
+    call-function form."""
+
+    __name__ = "embedding"
+
+    def __init__(self, sink: GradSink, wname: str) -> None:
+        self.sink, self.wname = sink, wname
+
+    def __call__(self, weight: Tensor, index: Tensor, padding_idx: int = -1) -> Tensor:
+        pad = _padding(padding_idx, weight.shape[0])
+        if not (torch.is_grad_enabled() and weight.requires_grad):
+            return F.embedding(index, weight, pad)
+        return cast(Tensor, _EmbeddingAccumulate.apply(weight, index, pad, self.sink, self.wname))
+
+
 class FusedLinearCall:
     """``aten.linear(x, w, b)`` of an exported graph (``w``, ``b`` read by ``get_attr``) whose
     backward feeds a :class:`GradSink`: the call-function form of :class:`AccumulatingLinear`,
@@ -141,6 +229,7 @@ class FusedLinearCall:
 
 
 _LINEAR_OPS = (torch.ops.aten.linear.default, F.linear)
+_EMBEDDING_OPS = (torch.ops.aten.embedding.default,)
 
 
 def _trainable(gm: torch.fx.GraphModule, name: str | None, param_names: set[str]) -> bool:
@@ -159,6 +248,9 @@ def _install_calls(module: torch.fx.GraphModule, param_names: set[str], sink: Gr
     :class:`FusedLinearCall`; returns the parameter names now fed by the sink."""
     fed: list[str] = []
     for node in module.graph.nodes:
+        if node.op == "call_function" and node.target in _EMBEDDING_OPS and not node.kwargs:
+            fed += _install_embedding_call(module, node, param_names, sink)
+            continue
         if node.op != "call_function" or node.target not in _LINEAR_OPS or node.kwargs:
             continue
         w = node.args[1] if len(node.args) > 1 else None
@@ -178,9 +270,29 @@ def _install_calls(module: torch.fx.GraphModule, param_names: set[str], sink: Gr
     return fed
 
 
+def _install_embedding_call(module: torch.fx.GraphModule, node: torch.fx.Node, param_names: set[str],
+                            sink: GradSink) -> list[str]:
+    """Switch one ``aten.embedding(w, index[, padding_idx])`` call (no ``scale_grad_by_freq``,
+    no ``sparse``) on a trainable parameter of this stage to :class:`FusedEmbeddingCall`."""
+    w = node.args[0]
+    if len(node.args) > 3 and any(bool(a) for a in node.args[3:]):
+        return []
+    if not (isinstance(w, torch.fx.Node) and w.op == "get_attr" and _trainable(module, str(w.target), param_names)):
+        return []
+    node.target = FusedEmbeddingCall(sink, str(w.target))
+    return [str(w.target)]
+
+
+def _exact_embedding(sub: nn.Module) -> bool:
+    return (type(sub) is nn.Embedding and sub.max_norm is None and not sub.scale_grad_by_freq
+            and not sub.sparse)
+
+
 def install(module: torch.fx.GraphModule, param_names: set[str], sink: GradSink) -> list[str]:
-    """Switch the exact ``nn.Linear`` modules that ``module``'s graph calls to
-    :class:`AccumulatingLinear` feeding ``sink``; returns the parameter names now fed by it.
+    """Switch the exact ``nn.Linear`` and ``nn.Embedding`` modules that ``module``'s graph
+    calls to :class:`AccumulatingLinear` and :class:`AccumulatingEmbedding` feeding ``sink``
+    (and the exported graph's calls, :func:`_install_calls`); returns the parameter names now
+    fed by it.
 
     Only layers whose weight (and bias, if any) are trainable parameters of this stage are
     switched. The module objects change class in place (they carry no other state).
@@ -191,6 +303,12 @@ def install(module: torch.fx.GraphModule, param_names: set[str], sink: GradSink)
             continue
         target = str(node.target)
         sub = module.get_submodule(target)
+        if _exact_embedding(sub):
+            if f"{target}.weight" in param_names and sub.weight.requires_grad:
+                sub.__class__ = AccumulatingEmbedding
+                cast(AccumulatingEmbedding, sub).feed(sink, f"{target}.weight")
+                fed.append(f"{target}.weight")
+            continue
         if type(sub) is not nn.Linear:
             continue
         wname = f"{target}.weight"
