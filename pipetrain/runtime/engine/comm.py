@@ -369,14 +369,26 @@ class Comm:
     # -- collectives ---------------------------------------------------------------------
     def allreduce_start(self, stage: int, flat: Tensor) -> Any:
         """Start summing ``flat`` over the stage's replicas; returns a handle with ``wait()``."""
-        group = self.groups.get(stage)
-        if group is None:
-            return None
-        # the last element carries the unit count (control); the rest are gradients
+        self.allreduce_count(stage, flat)
+        return self.allreduce_launch(stage, flat)
+
+    def allreduce_count(self, stage: int, flat: Tensor) -> None:
+        """Count the all-reduce of a stage's flat buffer as one collective, however many bucket
+        launches (:meth:`allreduce_launch`) sum its parts: the last element carries the unit
+        count (control), the rest are gradients."""
+        if stage not in self.groups:
+            return
         e, r = flat.element_size(), self._group_size[stage]
         self.traffic.count_collective("allreduce", (flat.numel() - 1) * e, r)
         self.traffic.count_collective("control", e, r, calls=0)
-        return dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+    def allreduce_launch(self, stage: int, part: Tensor) -> Any:
+        """Start summing ``part`` (a contiguous piece of a counted flat buffer) over the stage's
+        replicas, uncounted; returns a handle with ``wait()``, or ``None`` for one replica."""
+        group = self.groups.get(stage)
+        if group is None:
+            return None
+        return dist.all_reduce(part, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
     def sum_over_ranks(self, value: float) -> float:
         """Sum of a float over all ranks (global gradient norm)."""

@@ -126,6 +126,7 @@ class Executor:
         self._outbox: dict[tuple[int, int, int], list[Tensor]] = {}
         self._deferred: list[tuple[StageRuntime, dict[str, Tensor | None]]] = []
         self._last_step_pos: set[int] = set()
+        self._last_backward_pos: set[int] = set()
         self._recompute: set[tuple[int, int]] = set()  # (stage, unit) whose B recomputes its forward
         self._group_units: dict[int, list[int]] = {}
         self._logged = 0
@@ -219,6 +220,15 @@ class Executor:
             if a.op is Op.STEP:
                 last_pos[a.mb] = i
         self._last_step_pos = set(last_pos.values())
+        # each group's last weight-gradient op (B or W) before its ALLREDUCE: its backward
+        # starts the stage's all-reduce buckets as they fill (stage_runtime.py)
+        last_grad: dict[int, int] = {}
+        self._last_backward_pos = set()
+        for i, a in enumerate(actions):
+            if a.op in (Op.B, Op.W):
+                last_grad[a.stage] = i
+            elif a.op is Op.ALLREDUCE and a.stage in last_grad:
+                self._last_backward_pos.add(last_grad.pop(a.stage))
         self._recompute = recompute.recompute_units(actions, [k for k, st in self.stages.items() if st.recompute])
 
     # -- compute -----------------------------------------------------------------------
@@ -297,6 +307,8 @@ class Executor:
             self._recompute_forward(a, u)
         self._check_version(a, u)
         outs, gouts = self._differentiable(u, self._grad_outputs(a, u))
+        if self._pos in self._last_backward_pos:
+            st.arm_last_backward(self.comm)
         params = [u.params[n] for n in st.trainable]
         grads = self._grads(outs, gouts, u.leaves + params, retain=False)
         for h in self.hooks:
@@ -345,6 +357,8 @@ class Executor:
         self._check_version(a, u)
         if u.weight_work is None:
             raise RuntimeError(f"rank {self.rank}: {a.long} runs before the unit's I; a schedule must put I before W")
+        if self._pos in self._last_backward_pos:
+            st.arm_last_backward(self.comm)
         st.accumulate(self._owned(backward_weight(u.weight_work, st.sink), u))
         u.weight_work = None
         self._note_unit(a)

@@ -33,6 +33,7 @@ the input gradient if the input pass never ran this layer; ``"full"`` (B): both.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, cast
 
 import torch
@@ -40,7 +41,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 __all__ = ["GradSink", "AccumulatingEmbedding", "AccumulatingLinear", "FusedEmbeddingCall", "FusedLinearCall",
-           "install"]
+           "exclusive_writes", "install"]
 
 
 class GradSink:
@@ -55,6 +56,27 @@ class GradSink:
         #: are (``x`` is checked by the forward's checks), so a finite probe stands for every
         #: accumulator this unit wrote, without reading them (runtime/guards/numerics.py).
         self.probe: Tensor | None = None
+        self._left: dict[str, int] = {}  # armed: writes still to come in this backward, per name
+        self._on_done: Callable[[str], None] | None = None
+
+    def arm(self, writes: Mapping[str, int], on_done: Callable[[str], None]) -> None:
+        """Call ``on_done(name)`` when the backward about to run has written ``name`` its
+        ``writes[name]``-th time (its last write of the group: its all-reduce may start)."""
+        self._left, self._on_done = dict(writes), on_done
+
+    def disarm(self) -> None:
+        self._left, self._on_done = {}, None
+
+    def _wrote(self, name: str) -> None:
+        left = self._left.get(name)
+        if left is None:
+            return
+        if left <= 0:
+            raise RuntimeError(f"gradient sink: {name} was written more often than its {len(self._left)} call "
+                               f"sites allow, after its all-reduce bucket had started; pass --bucket-mb 0")
+        self._left[name] = left - 1
+        if left == 1 and self._on_done is not None:
+            self._on_done(name)
 
     def add(self, name: str, value: Tensor) -> None:
         acc = self.buffers[name]
@@ -63,6 +85,7 @@ class GradSink:
         else:
             acc.copy_(value)
             self.touched.add(name)
+        self._wrote(name)
 
     def add_rows(self, name: str, index: Tensor, rows: Tensor) -> None:
         """``acc[index[i]] += rows[i]`` in place (``index_add_``), the accumulator zeroed first
@@ -72,6 +95,7 @@ class GradSink:
             acc.zero_()
             self.touched.add(name)
         acc.index_add_(0, index, rows.to(acc.dtype))
+        self._wrote(name)
 
     def add_mm(self, name: str, a: Tensor, b: Tensor) -> None:
         """``acc (+)= a @ b`` in place, the GEMM writing into the accumulator."""
@@ -81,6 +105,7 @@ class GradSink:
         else:
             torch.mm(a, b, out=acc)
             self.touched.add(name)
+        self._wrote(name)
 
 
 class _LinearAccumulate(torch.autograd.Function):
@@ -321,3 +346,48 @@ def install(module: torch.fx.GraphModule, param_names: set[str], sink: GradSink)
         cast(AccumulatingLinear, sub).feed(sink, wname, bname)
         fed += [wname] + ([bname] if bname else [])
     return fed + _install_calls(module, param_names, sink)
+
+
+def exclusive_writes(module: torch.fx.GraphModule, fed: Collection[str]) -> dict[str, tuple[int, int]]:
+    """For each parameter in ``fed`` (names :func:`install` returned) that only fused layers
+    read: how many times one unit's backward writes it into the sink (its call sites), and
+    the graph position of its first call site (the backward writes it last there).
+
+    A parameter also read any other way (by an unfused module, a tie with one, a
+    ``get_attr`` with another user) is left out: its gradient is complete only once the
+    whole backward has returned, when the executor adds autograd's part.
+    """
+    params = dict(module.named_parameters())
+    wanted = {id(params[n]): n for n in fed if n in params}
+    counts: dict[int, int] = {}
+    first: dict[int, int] = {}
+    other: set[int] = set()
+
+    def write(t: Any, i: int) -> None:
+        if t is not None:
+            counts[id(t)] = counts.get(id(t), 0) + 1
+            first.setdefault(id(t), i)
+
+    def weight_args(user: torch.fx.Node) -> tuple[Any, ...]:
+        if isinstance(user.target, FusedLinearCall):
+            return tuple(user.args[1:3])
+        return tuple(user.args[:1]) if isinstance(user.target, FusedEmbeddingCall) else ()
+
+    for i, node in enumerate(module.graph.nodes):
+        if node.op == "call_module":
+            sub = module.get_submodule(str(node.target))
+            fused = isinstance(sub, (AccumulatingLinear, AccumulatingEmbedding))
+            for p in sub.parameters(recurse=not fused):
+                if fused:
+                    write(p, i)
+                else:
+                    other.add(id(p))
+        elif node.op == "call_function" and isinstance(node.target, (FusedLinearCall, FusedEmbeddingCall)):
+            for arg in weight_args(node):
+                if isinstance(arg, torch.fx.Node) and str(arg.target) in params:
+                    write(params[str(arg.target)], i)
+        elif node.op == "get_attr" and str(node.target) in params and not all(
+                node in weight_args(u) and node not in [a for a in u.args if a not in weight_args(u)]
+                for u in node.users):
+            other.add(id(params[str(node.target)]))
+    return {n: (counts[t], first[t]) for t, n in wanted.items() if t in counts and t not in other}

@@ -11,6 +11,14 @@ accumulate into:
 - flat all-reduce buffers, one per dtype, for a replicated stage (the last element of each
   carries the group's unit count, so STEP divides by the total over the replicas).
 
+A replicated stage's all-reduce overlaps the group's last backward, in buckets as DDP's
+(``bucket_cap_mb``, the first bucket 1 MiB): the flat buffer holds first the parameters
+only fused layers write (:func:`~pipetrain.runtime.engine.fused.exclusive_writes`), in the
+order the backward finishes them, cut into buckets, then every other parameter and the
+count. During the last backward of the group each bucket starts its all-reduce as soon as
+the sink has had every write of its parameters; ALLREDUCE starts the rest. A sum is the same
+whichever piece of the buffer carries it, so the numbers do not change.
+
 STEP takes the group's mean (design.md's gradient accounting), optionally clips it, and the
 optimizer makes the next version from the newest (:meth:`StageRuntime.apply`), or the group
 is dropped and the version advances unchanged (:meth:`StageRuntime.drop_group`).
@@ -28,12 +36,16 @@ from torch import Tensor
 from ...job.config import LRSchedule
 from ...stages.partition import StageModule
 from .comm import Comm
-from .fused import GradSink, install
+from .fused import GradSink, exclusive_writes, install
 from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
 from .precision import autocast
 from .versions import WeightVersions
 
-__all__ = ["StageRuntime"]
+__all__ = ["FIRST_BUCKET_BYTES", "StageRuntime"]
+
+#: The first all-reduce bucket's cap, as DDP's (``dist._DEFAULT_FIRST_BUCKET_BYTES``): the
+#: backward's first finished parameters start their all-reduce early.
+FIRST_BUCKET_BYTES = 1 << 20
 
 
 class StageRuntime:
@@ -41,7 +53,7 @@ class StageRuntime:
 
     def __init__(self, stage: StageModule, optimizer: FunctionalOptimizer, replicas: int,
                  device: torch.device, fuse_linear: bool = False, recompute: bool = False,
-                 precision: str = "fp32") -> None:
+                 precision: str = "fp32", bucket_bytes: int = 0) -> None:
         self.stage = stage
         self.device = device
         self.precision = precision  # the forward's compute precision (precision.py); weights stay fp32
@@ -85,18 +97,34 @@ class StageRuntime:
         self._touched: set[str] = self.sink.touched
         self.fused: set[str] = set(install(mod, set(self.trainable), self.sink)) if fuse_linear else set()
         self.pending: list[Any] = []
+        # buckets of the flat buffers (module docstring): (dtype, start, end) and their names
+        self._buckets: list[tuple[torch.dtype, int, int]] = []
+        self._bucket_names: list[list[str]] = []
+        self._bucket_of: dict[str, int] = {}
+        self._tails: dict[torch.dtype, int] = {}
+        self._writes: dict[str, int] = {}
+        self._waiting: list[int] = []
+        self._launched: set[int] = set()
+        self._comm: Comm | None = None
         if replicas > 1:
+            written = exclusive_writes(mod, self.fused) if bucket_bytes > 0 and self.fused else {}
+            self._writes = {n: c for n, (c, _) in written.items()}
             by_dtype: dict[torch.dtype, list[str]] = {}
             for n in self.trainable:
                 by_dtype.setdefault(initial[n].dtype, []).append(n)
             for dt, names in by_dtype.items():
+                early = sorted((n for n in names if n in written), key=lambda n: -written[n][1])
+                names = early + [n for n in names if n not in written]
                 total = sum(initial[n].numel() for n in names)
                 flat = torch.zeros(total + 1, dtype=dt, device=device)
                 off = 0
                 for n in names:
                     k = initial[n].numel()
                     self.views[n] = flat[off:off + k].view_as(initial[n])
+                    if n in written:
+                        self._bucket(dt, n, off, off + k, flat.element_size(), bucket_bytes)
                     off += k
+                self._tails[dt] = sum(initial[n].numel() for n in early)
                 self.flats[dt] = flat
         for n in self.fused:
             self.sink.buffers[n] = self.views[n] if self.views else torch.zeros_like(initial[n])
@@ -129,15 +157,63 @@ class StageRuntime:
                 else:
                     cur.add_(g)
 
+    def _bucket(self, dt: torch.dtype, name: str, start: int, end: int, size: int, cap: int) -> None:
+        """Put ``name`` (elements ``start:end`` of the ``dt`` flat buffer) in the current bucket,
+        or open a new one when the current is full (DDP's caps: at most 1 MiB first, then ``cap``)."""
+        last = self._buckets[-1] if self._buckets else None
+        limit = min(FIRST_BUCKET_BYTES, cap) if len(self._buckets) == 1 else cap
+        if last is None or last[0] != dt or (last[2] - last[1]) * size >= limit:
+            self._buckets.append((dt, start, end))
+            self._bucket_names.append([name])
+        else:
+            self._buckets[-1] = (dt, last[1], end)
+            self._bucket_names[-1].append(name)
+        self._bucket_of[name] = len(self._buckets) - 1
+
+    def arm_last_backward(self, comm: Comm) -> None:
+        """The backward about to run is the group's last: start each bucket's all-reduce as its
+        parameters' last writes land (module docstring)."""
+        if not self._buckets:
+            return
+        self._comm = comm
+        self._waiting = [len(ns) for ns in self._bucket_names]
+        self.sink.arm(self._writes, self._written)
+
+    def _written(self, name: str) -> None:
+        b = self._bucket_of.get(name)
+        if b is None:
+            return
+        self._waiting[b] -= 1
+        if self._waiting[b] == 0:
+            self._launch(b)
+
+    def _launch(self, b: int) -> None:
+        assert self._comm is not None
+        dt, start, end = self._buckets[b]
+        work = self._comm.allreduce_launch(self.index, self.flats[dt][start:end])
+        if work is not None:
+            self.pending.append(work)
+        self._launched.add(b)
+
     def start_allreduce(self, comm: Comm) -> None:
+        self.sink.disarm()
         for n, v in self.views.items():
             if n not in self._touched:
                 v.zero_()
-        for flat in self.flats.values():
+        self._comm = comm
+        for dt, flat in self.flats.items():
             flat[-1] = float(self.acc_count)
-            work = comm.allreduce_start(self.index, flat)
+            if not self._buckets:
+                work = comm.allreduce_start(self.index, flat)
+            else:
+                comm.allreduce_count(self.index, flat)
+                work = comm.allreduce_launch(self.index, flat[self._tails[dt]:])
             if work is not None:
                 self.pending.append(work)
+        for b in range(len(self._buckets)):
+            if b not in self._launched:
+                self._launch(b)
+        self._launched = set()
 
     def mean_gradients(self) -> dict[str, Tensor | None]:
         """Finish the group: wait for the all-reduce, divide by the group's unit count."""
@@ -195,6 +271,8 @@ class StageRuntime:
         self._acc = {}
         self._touched.clear()
         self.acc_count = 0
+        self.sink.disarm()
+        self._launched = set()
 
     def own_wires(self, wires: list[Tensor]) -> list[Tensor]:
         """``wires`` with every tensor that shares memory with one of the stage's buffers
