@@ -18,7 +18,6 @@ that states the rule, the values and the fix.
 """
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import TYPE_CHECKING, Any
@@ -34,6 +33,7 @@ from .errors import (
     RuntimeConfigError,
     ScheduleError,
 )
+from .exports import lazy_exports
 
 if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
     from .graph import CapturedModel, LayerGraph, LayerNode, TensorMeta, capture, run_node_by_node
@@ -129,17 +129,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 class _Package(types.ModuleType):

@@ -22,8 +22,9 @@ single-process references of a resolved run). Configuration in, result out is
 """
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..exports import lazy_exports
 
 if TYPE_CHECKING:  # the names below are imported on first use (PEP 562)
     from .engine.optim import FunctionalOptimizer
@@ -51,17 +52,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{module}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_LAZY})
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 __all__ = [
     "FailureRecord", "FunctionalOptimizer", "WeightVersions", "WorkerFailure", "launch_local", "replay_config",

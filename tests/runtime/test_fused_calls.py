@@ -44,7 +44,6 @@ def test_exported_linear_calls_accumulate_the_autograd_gradients() -> None:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
-
 class _Tokens(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()

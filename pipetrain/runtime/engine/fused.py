@@ -72,8 +72,8 @@ class GradSink:
         if left is None:
             return
         if left <= 0:
-            raise RuntimeError(f"gradient sink: {name} was written more often than its {len(self._left)} call "
-                               f"sites allow, after its all-reduce bucket had started; pass --bucket-mb 0")
+            raise RuntimeError(f"gradient sink: {name} was written again after its last counted write (its "
+                               f"all-reduce bucket had started); pass --bucket-mb 0")
         self._left[name] = left - 1
         if left == 1 and self._on_done is not None:
             self._on_done(name)
@@ -348,6 +348,24 @@ def install(module: torch.fx.GraphModule, param_names: set[str], sink: GradSink)
     return fed + _install_calls(module, param_names, sink)
 
 
+def _weight_positions(node: torch.fx.Node) -> range:
+    """The argument positions of a fused call that its backward writes into the sink."""
+    if isinstance(node.target, FusedLinearCall):
+        return range(1, 3)
+    return range(0, 1) if isinstance(node.target, FusedEmbeddingCall) else range(0)
+
+
+def _weight_args(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes a fused call reads as the weights it writes into the sink."""
+    return [a for k, a in enumerate(node.args) if k in _weight_positions(node) and isinstance(a, torch.fx.Node)]
+
+
+def _read_as_weight(attr: torch.fx.Node, user: torch.fx.Node) -> bool:
+    """Whether ``user`` reads the ``get_attr`` node ``attr`` only as a fused call's weight."""
+    where = [k for k, a in enumerate(user.args) if a is attr]
+    return bool(where) and all(k in _weight_positions(user) for k in where) and attr not in user.kwargs.values()
+
+
 def exclusive_writes(module: torch.fx.GraphModule, fed: Collection[str]) -> dict[str, tuple[int, int]]:
     """For each parameter in ``fed`` (names :func:`install` returned) that only fused layers
     read: how many times one unit's backward writes it into the sink (its call sites), and
@@ -362,32 +380,20 @@ def exclusive_writes(module: torch.fx.GraphModule, fed: Collection[str]) -> dict
     counts: dict[int, int] = {}
     first: dict[int, int] = {}
     other: set[int] = set()
-
-    def write(t: Any, i: int) -> None:
-        if t is not None:
-            counts[id(t)] = counts.get(id(t), 0) + 1
-            first.setdefault(id(t), i)
-
-    def weight_args(user: torch.fx.Node) -> tuple[Any, ...]:
-        if isinstance(user.target, FusedLinearCall):
-            return tuple(user.args[1:3])
-        return tuple(user.args[:1]) if isinstance(user.target, FusedEmbeddingCall) else ()
-
     for i, node in enumerate(module.graph.nodes):
+        written: list[Tensor] = []
         if node.op == "call_module":
             sub = module.get_submodule(str(node.target))
-            fused = isinstance(sub, (AccumulatingLinear, AccumulatingEmbedding))
-            for p in sub.parameters(recurse=not fused):
-                if fused:
-                    write(p, i)
-                else:
-                    other.add(id(p))
-        elif node.op == "call_function" and isinstance(node.target, (FusedLinearCall, FusedEmbeddingCall)):
-            for arg in weight_args(node):
-                if isinstance(arg, torch.fx.Node) and str(arg.target) in params:
-                    write(params[str(arg.target)], i)
-        elif node.op == "get_attr" and str(node.target) in params and not all(
-                node in weight_args(u) and node not in [a for a in u.args if a not in weight_args(u)]
-                for u in node.users):
+            if isinstance(sub, (AccumulatingLinear, AccumulatingEmbedding)):
+                written = list(sub.parameters(recurse=False))
+            else:
+                other.update(id(p) for p in sub.parameters())
+        elif node.op == "call_function":
+            written = [params[str(a.target)] for a in _weight_args(node) if str(a.target) in params]
+        elif (node.op == "get_attr" and str(node.target) in params
+              and not all(_read_as_weight(node, u) for u in node.users)):
             other.add(id(params[str(node.target)]))
+        for p in written:
+            counts[id(p)] = counts.get(id(p), 0) + 1
+            first.setdefault(id(p), i)
     return {n: (counts[t], first[t]) for t, n in wanted.items() if t in counts and t not in other}

@@ -201,13 +201,10 @@ class StageRuntime:
             if n not in self._touched:
                 v.zero_()
         self._comm = comm
-        for dt, flat in self.flats.items():
+        for dt, flat in self.flats.items():  # what no bucket holds (all of it without buckets)
             flat[-1] = float(self.acc_count)
-            if not self._buckets:
-                work = comm.allreduce_start(self.index, flat)
-            else:
-                comm.allreduce_count(self.index, flat)
-                work = comm.allreduce_launch(self.index, flat[self._tails[dt]:])
+            comm.allreduce_count(self.index, flat)
+            work = comm.allreduce_launch(self.index, flat[self._tails[dt]:])
             if work is not None:
                 self.pending.append(work)
         for b in range(len(self._buckets)):
