@@ -7,7 +7,10 @@
 config names (``architectures[0]``, from ``transformers``), built from the config as it comes:
 its forward returns its ``ModelOutput`` (the loss reads its logits), its tied weights stay
 tied. The synthetic data is next-token prediction over the config's vocabulary
-(``--option seq_len=N`` tokens, default ``min(128, max_position_embeddings)``).
+(``--option seq_len=N`` tokens, default ``min(128, max_position_embeddings)``); for an
+encoder-decoder config (``is_encoder_decoder``: T5, BART) a learnable translation of ``seq_len``
+source tokens into ``seq_len`` target tokens, fed as the source, its attention mask and the
+decoder's tokens (teacher forcing).
 
 :class:`TensorFiles` reads named tensors from safetensors files (``safe_open``: one tensor
 without loading the file) or from a ``torch.save`` of ``{name: tensor}`` (``--save``'s file,
@@ -31,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import ModelError
-from .bundle import LanguageModelBatches, ModelBundle, make_bundle, token_loss
+from .bundle import LanguageModelBatches, MaskedTranslationBatches, ModelBundle, make_bundle, token_loss
 
 __all__ = ["HF_PREFIX", "TensorFiles", "build_hf", "hf_directory", "hf_weight_names", "load_into", "shard_name",
            "write_index", "write_shard"]
@@ -98,8 +101,10 @@ def build_hf(spec: str, batch_size: int | None, options: Mapping[str, Any]) -> M
     if vocab < 2:
         raise ModelError(f"--model {spec}: config.json has no vocab_size; hf:DIR trains causal language models")
     model = _model_class(spec, config)(config)
-    return make_bundle(spec, model, token_loss, LanguageModelBatches(vocab, seq_len), batch_size,
-                       DEFAULT_BATCH_SIZE, {"seq_len": seq_len})
+    # an encoder-decoder (T5, BART) translates seq_len source tokens into seq_len target tokens
+    batches: Any = (MaskedTranslationBatches(vocab, seq_len, seq_len) if getattr(config, "is_encoder_decoder", False)
+                    else LanguageModelBatches(vocab, seq_len))
+    return make_bundle(spec, model, token_loss, batches, batch_size, DEFAULT_BATCH_SIZE, {"seq_len": seq_len})
 
 
 class TensorFiles:

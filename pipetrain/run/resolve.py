@@ -242,11 +242,13 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
             if not built:
                 built.append(_load(cfg, samples, weights=True))  # profiled: real weights
             bundle, example = built[0], example_inputs(built[0].make_batch, samples)
-        else:  # a factory may size its model by the batch it is given
-            bundle = _load(cfg, samples, weights=True)
-            example = bundle.example_inputs
+            captured = capture(bundle.model, example)
+        else:  # a factory may size its model by the batch it is given; captured as the workers
+            # capture it (on meta where it can be, then materialised), so the plan's node names
+            # are the workers' (a model's graph may depend on its tensors' device)
+            bundle, captured = _load_captured(cfg, samples, weights=True)
         inputs = bundle.make_batch(samples, torch.Generator().manual_seed(cfg.training.seed))[0]
-        return capture(bundle.model, example), tuple(inputs)
+        return captured, tuple(inputs)
 
     def accept(c: Any, captured: Any) -> str | None:
         from ..stages.partition import partition_graph

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from pipetrain.errors import ModelError  # noqa: E402
 from pipetrain.job import OptimizerConfig, TrainConfig  # noqa: E402
-from pipetrain.job.model import build_stages, load_bundle, stage_tensor_names  # noqa: E402
+from pipetrain.job.model import build_stages, load_bundle, load_captured, stage_tensor_names  # noqa: E402
 from pipetrain.models import TINY_OPTIONS  # noqa: E402
 from pipetrain.models.pretrained import TensorFiles  # noqa: E402
 from pipetrain.run import resolve_run  # noqa: E402
@@ -101,8 +101,21 @@ def test_training_at_a_negligible_rate_keeps_the_directory_weights(tmp_path: Pat
         assert torch.allclose(r.state[name], t, rtol=0, atol=1e-9), name
 
 
-def test_flush_on_two_stages_equals_one_worker(tmp_path: Path) -> None:
-    path = llama(tmp_path)
+def t5(tmp: Path) -> Path:
+    """A tiny ``T5ForConditionalGeneration`` (an encoder-decoder) written by ``save_pretrained``."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(11)
+    path = tmp / "t5"
+    T5ForConditionalGeneration(config).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["llama", "t5"])
+def test_flush_on_two_stages_equals_one_worker(tmp_path: Path, kind: str) -> None:
+    path = llama(tmp_path) if kind == "llama" else t5(tmp_path)
     [two] = launch_local([resolve_run(cfg(f"hf:{path}", 2, "1-1"))], timeout=TIMEOUT)
     one = train_one_process(resolve_run(cfg(f"hf:{path}")))
     assert two.losses == pytest.approx(one.losses, rel=1e-5)
@@ -110,7 +123,25 @@ def test_flush_on_two_stages_equals_one_worker(tmp_path: Path) -> None:
         err = float((two.state[name] - t).abs().max() / (t.abs().max() + 1e-6))
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
     files = weights(path)
-    assert not torch.allclose(one.state["lm_head.weight"], files["lm_head.weight"], atol=1e-4)  # it trained
+    head = "lm_head.weight" if "lm_head.weight" in files else "shared.weight"  # T5 ties its head to the embedding
+    assert not torch.allclose(one.state[head], files[head], atol=1e-4)  # it trained
+
+
+def test_an_encoder_decoder_translates_with_its_source_mask(tmp_path: Path) -> None:
+    bundle = load_bundle(cfg(f"hf:{t5(tmp_path)}"), 4)
+    src, mask, tgt = bundle.example_inputs  # T5's forward(input_ids, attention_mask, decoder_input_ids)
+    assert src.shape == tgt.shape == (4, SEQ) and torch.equal(mask, torch.ones_like(src))
+
+
+def test_schedule_auto_plans_on_the_capture_the_workers_run(tmp_path: Path) -> None:
+    """The automatic choice's plan names the nodes of the workers' capture (weightless, on
+    meta), which for a Hugging Face Llama differs from a capture of the built model."""
+    path = llama(tmp_path)
+    run = resolve_run(cfg(f"hf:{path}", 2, schedule="auto", microbatches=None))
+    assert run.plan is not None and run.plan.extra.get("auto")
+    _, captured = load_captured(run.config, run.batch_size // run.microbatches)
+    names = {n.name for n in captured.gm.graph.nodes}
+    assert {n for s in run.plan.stages for n in s.nodes} <= names
 
 
 def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
