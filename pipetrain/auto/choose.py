@@ -241,7 +241,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     measured = AutoMeasurements(cache, cache_key, _measure_settings(optimizer, momentum, threads, repeats))
     cal = resolve_calibration(calibration)
     if cal is None:  # measured now (or earlier on this machine), at this run's rank count
-        cal = measured.calibration(workers, lambda: _measure_calibration(workers))
+        cal = measured.calibration(workers, lambda: _measure_calibration(workers, threads))
     costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
     names = list(schedules) if schedules is not None else _auto_names()
     steps_of = _StepTimer(optimizer, momentum, measured)
@@ -301,11 +301,11 @@ def _measure_settings(optimizer: str, momentum: float, threads: int | None, repe
             "threads": threads if threads is not None else torch.get_num_threads(), "device": "cpu"}
 
 
-def _measure_calibration(workers: int) -> Calibration:
-    """A loopback calibration measured now at ``workers`` ranks."""
+def _measure_calibration(workers: int, threads: int | None) -> Calibration:
+    """A loopback calibration measured now at ``workers`` ranks of ``threads`` threads."""
     from ..plan.calibrated import MEASURE, resolve_calibration
 
-    cal = resolve_calibration(MEASURE, ranks=workers)
+    cal = resolve_calibration(MEASURE, ranks=workers, threads=threads)
     assert cal is not None
     return cal
 

@@ -50,7 +50,8 @@ class AutoMeasurements:
 
         if self.cache is None:
             return measure()
-        cal, _ = self.cache.fetch("calibration", {"ranks": workers}, measure, lambda c: c.to_dict(),
+        key = {"ranks": workers, "threads": self.settings.get("threads")}  # the compute probe's threads
+        cal, _ = self.cache.fetch("calibration", key, measure, lambda c: c.to_dict(),
                                   lambda d: Calibration.from_dict(d, "the measurement cache"))
         return cal
 

@@ -22,11 +22,18 @@ SI units (seconds, bytes, bits/s where the name says bits)::
      "allreduce_ranks": 2,
      "samples": [{"kind": "p2p" | "allreduce", "bytes": 4096, "seconds": 1.2e-4, "reps": 5,
                   "median_seconds": 1.3e-4}, ...],
+     "compute_slowdown": 1.31,               # optional (1.0): see below
      "measured_at": "2026-12-01T04:10:00Z", "seconds": 3.2}
 
 ``samples[].seconds`` is the fastest of ``reps`` timings of one message (half a ping-pong
 round trip for p2p; one all-reduce for allreduce), ``median_seconds`` their median; the fits
 use the fastest (on a shared machine the slow ones measure the CPU scheduler, not the link).
+
+``compute_slowdown`` is how much longer a worker's computation takes while every rank of a
+host computes at once than alone (the probe's training step, :mod:`pipetrain.cluster.gloo_probe`):
+ranks share a host's cores, caches and memory bandwidth, so a stage computes slower inside a
+run than profiled alone. The planner and the simulator's calibrated costs multiply every
+compute time by it. Files without it read as 1.0.
 """
 from __future__ import annotations
 
@@ -115,6 +122,7 @@ class Calibration:
     samples: tuple[Sample, ...] = field(default_factory=tuple)
     measured_at: str = ""
     seconds: float = 0.0
+    compute_slowdown: float = 1.0
 
     @property
     def allreduce_bus_bandwidth(self) -> float:
@@ -151,10 +159,14 @@ class Calibration:
                                    None if s.get("median_seconds") is None else float(s["median_seconds"]))
                             for s in d.get("samples", []))
             limit = d.get("bandwidth_limit_bits_per_second")
+            slowdown = float(d.get("compute_slowdown", 1.0))
+            if not (math.isfinite(slowdown) and slowdown > 0):
+                raise CalibrationError(f"{source}: compute_slowdown must be a number > 0, got {slowdown}")
             return cls(p2p=fits["p2p"], allreduce=fits["allreduce"], allreduce_ranks=int(d["allreduce_ranks"]),
                        hosts=int(d["hosts"]), ranks=int(d["ranks"]), where=str(d["where"]),
                        bandwidth_limit_bits_per_second=None if limit is None else int(limit), samples=samples,
-                       measured_at=str(d.get("measured_at", "")), seconds=float(d.get("seconds", 0.0)))
+                       measured_at=str(d.get("measured_at", "")), seconds=float(d.get("seconds", 0.0)),
+                       compute_slowdown=slowdown)
         except (KeyError, TypeError, ValueError) as e:
             if isinstance(e, CalibrationError):
                 raise

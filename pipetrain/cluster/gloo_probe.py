@@ -3,14 +3,21 @@
 Started by :func:`pipetrain.cluster.measure.calibrate` as ``python PATH/gloo_probe.py
 --rank R --world N --master HOST:PORT``. It imports only the standard library and torch (not
 the pipetrain package), so it starts fast. Rank 0 prints one JSON line
-``{"samples": [{"kind", "bytes", "seconds", "reps", "median_seconds"}, ...]}``.
+``{"samples": [{"kind", "bytes", "seconds", "reps", "median_seconds"}, ...],
+"compute": {"alone_seconds", "together_seconds"}}``.
 
 Measurements (rank 0 decides sizes and repetitions and tells the others before each size):
 
 - point to point, ranks 0 and 1: a ping-pong of one float32 tensor of S bytes (rank 0 sends,
   rank 1 receives and sends the same size back); one message takes half the round trip;
   ranks >= 2 wait at a barrier meanwhile;
-- all-reduce (sum) of S bytes over every rank, each after a barrier, timed on rank 0.
+- all-reduce (sum) of S bytes over every rank, each after a barrier, timed on rank 0;
+- compute (:func:`compute_slowdown`): a small training step (two linear layers, forward and
+  backward, at the workers' threads) timed on rank 0 while the other ranks wait, then on
+  every rank at once; the ratio (the mean of the ranks' medians together over rank 0's median
+  alone) is how much slower a worker computes while every rank of the host computes, through
+  the cores, caches and memory bandwidth they share. Rounds alternate (alone, together, ...),
+  so a change of the machine's load lands in both.
 
 Sizes are 4 bytes, then 4 KiB growing 4x (16 KiB, 64 KiB, ...) until one message takes longer
 than ``--max-message-seconds`` (or 16 MiB). Each size gets one untimed round, then 3-15 timed
@@ -51,9 +58,69 @@ def _sample(kind: str, nbytes: int, times: list[float]) -> dict[str, Any]:
     return {"kind": kind, "bytes": nbytes, "seconds": ts[0], "reps": len(ts), "median_seconds": ts[len(ts) // 2]}
 
 
+COMPUTE_SECONDS = 0.25  # seconds of the compute probe per phase and round
+COMPUTE_ROUNDS = 2
+
+
+def _compute_step() -> Any:
+    """One forward + backward of ``gelu(x W1) W2`` (128 x 256 -> 1024 -> 256), a transformer
+    MLP block's shapes: matrix products and elementwise work, like a training step."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 256, generator=g)
+    w1 = torch.randn(256, 1024, generator=g).mul_(0.05).requires_grad_()
+    w2 = torch.randn(1024, 256, generator=g).mul_(0.05).requires_grad_()
+
+    def step() -> float:
+        t0 = time.perf_counter()
+        y = torch.nn.functional.gelu(x @ w1) @ w2
+        torch.autograd.grad(y.square().mean(), (w1, w2))
+        return time.perf_counter() - t0
+
+    return step
+
+
+def _timed(step: Any, seconds: float) -> float:
+    """The median seconds of ``step`` run repeatedly for about ``seconds``."""
+    step()
+    times: list[float] = []
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end or len(times) < 3:
+        times.append(step())
+    times.sort()
+    return times[len(times) // 2]
+
+
+def compute_slowdown(rank: int, world: int, seconds: float = COMPUTE_SECONDS,
+                     rounds: int = COMPUTE_ROUNDS) -> dict[str, float]:
+    """Rank 0's median step alone and the ranks' mean median together (module docstring);
+    every rank calls it (collectives)."""
+    import torch
+    import torch.distributed as dist
+
+    step = _compute_step()
+    alone: list[float] = []
+    together: list[float] = []
+    for _ in range(rounds):
+        dist.barrier()
+        if rank == 0:
+            alone.append(_timed(step, seconds))
+        dist.barrier()
+        mine = torch.tensor([_timed(step, seconds)], dtype=torch.float64)
+        dist.all_reduce(mine)
+        together.append(float(mine[0]) / world)
+    if rank != 0:
+        return {}
+    alone.sort()
+    together.sort()
+    return {"alone_seconds": alone[len(alone) // 2], "together_seconds": together[len(together) // 2]}
+
+
 def measure(rank: int, world: int, master: str, max_message_seconds: float = 0.1,
-            timeout: float = 60.0) -> list[dict[str, Any]] | None:
-    """Run one rank; rank 0 returns the samples (dicts with kind, bytes, seconds, reps)."""
+            timeout: float = 60.0, threads: int = 1) -> tuple[list[dict[str, Any]], dict[str, float]] | None:
+    """Run one rank; rank 0 returns the samples (dicts with kind, bytes, seconds, reps) and
+    the compute probe (:func:`compute_slowdown`, at ``threads`` torch threads per rank)."""
     import torch
     import torch.distributed as dist
 
@@ -115,10 +182,12 @@ def measure(rank: int, world: int, master: str, max_message_seconds: float = 0.1
             if int(stop[0]):
                 break
             expected = 4 * min(times)
+        torch.set_num_threads(max(1, threads))
+        compute = compute_slowdown(rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()
-    return samples if rank == 0 else None
+    return (samples, compute) if rank == 0 else None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -128,10 +197,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--master", required=True, help="HOST:PORT of rank 0's store")
     p.add_argument("--max-message-seconds", type=float, default=0.1)
     p.add_argument("--timeout", type=float, default=60.0)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank for the compute probe")
     a = p.parse_args(argv)
-    samples = measure(a.rank, a.world, a.master, a.max_message_seconds, a.timeout)
-    if samples is not None:
-        print(json.dumps({"samples": samples}), flush=True)
+    out = measure(a.rank, a.world, a.master, a.max_message_seconds, a.timeout, a.threads)
+    if out is not None:
+        samples, compute = out
+        print(json.dumps({"samples": samples, "compute": compute}), flush=True)
     return 0
 
 

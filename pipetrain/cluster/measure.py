@@ -36,13 +36,15 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _worker_argv(rank: int, world: int, master: str, max_message_seconds: float, timeout: float) -> list[str]:
+def _worker_argv(rank: int, world: int, master: str, max_message_seconds: float, timeout: float,
+                 threads: int = 1) -> list[str]:
     return [sys.executable, os.path.abspath(gloo_probe.__file__), "--rank", str(rank), "--world", str(world),
-            "--master", master, "--max-message-seconds", str(max_message_seconds), "--timeout", str(timeout)]
+            "--master", master, "--max-message-seconds", str(max_message_seconds), "--timeout", str(timeout),
+            "--threads", str(threads)]
 
 
 def calibrate(cluster: EmulatedCluster | None = None, ranks: int = 2, max_message_seconds: float = 0.1,
-              timeout: float = 60.0) -> Calibration:
+              timeout: float = 60.0, threads: int = 1) -> Calibration:
     """Measure point-to-point and all-reduce costs of the current hosts and fit them.
 
     Args:
@@ -51,6 +53,7 @@ def calibrate(cluster: EmulatedCluster | None = None, ranks: int = 2, max_messag
         ranks: ranks on loopback (>= 2; ignored with a cluster, which needs >= 2 hosts).
         max_message_seconds: stop growing message sizes once one takes longer than this.
         timeout: seconds for the whole measurement; every process is killed after it.
+        threads: torch threads per rank for the compute probe (the workers' ``--threads``).
     """
     if cluster is not None:
         ranks = cluster.hosts
@@ -65,7 +68,7 @@ def calibrate(cluster: EmulatedCluster | None = None, ranks: int = 2, max_messag
     procs: list[subprocess.Popen[str]] = []
     try:
         for r in range(ranks):
-            argv = _worker_argv(r, ranks, master, max_message_seconds, timeout)
+            argv = _worker_argv(r, ranks, master, max_message_seconds, timeout, threads)
             kw: dict[str, Any] = {"stdout": subprocess.PIPE if r == 0 else subprocess.DEVNULL,
                                   "stderr": subprocess.PIPE, "text": True}
             if cluster is None:  # gloo on loopback
@@ -97,7 +100,10 @@ def calibrate(cluster: EmulatedCluster | None = None, ranks: int = 2, max_messag
                 except ProcessLookupError:
                     pass
                 p.wait(timeout=5)
-    samples = [Sample(**s) for s in json.loads(out.strip().splitlines()[-1])["samples"]]
+    result = json.loads(out.strip().splitlines()[-1])
+    samples = [Sample(**s) for s in result["samples"]]
+    compute = result["compute"]  # below 1: the machine's load fell between the phases
+    slowdown = max(1.0, compute["together_seconds"] / compute["alone_seconds"])
     p2p = [s for s in samples if s.kind == "p2p"]
     ar = [s for s in samples if s.kind == "allreduce"]
     return Calibration(
@@ -107,4 +113,4 @@ def calibrate(cluster: EmulatedCluster | None = None, ranks: int = 2, max_messag
         where="loopback" if cluster is None else "emulated",
         bandwidth_limit_bits_per_second=None if cluster is None else cluster.bandwidth_bits,
         samples=tuple(samples), measured_at=datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-        seconds=time.monotonic() - t0)
+        seconds=time.monotonic() - t0, compute_slowdown=slowdown)

@@ -64,7 +64,7 @@ def unit_seed(seed: int, unit: int, key: str) -> int:
 
 class _Active(threading.local):
     def __init__(self) -> None:
-        self.streams: list[tuple[int, int]] = []
+        self.streams: list[tuple[int, int, tuple[int, ...]]] = []  # (seed, unit, CUDA device indices)
 
 
 _ACTIVE = _Active()
@@ -77,7 +77,7 @@ def unit_stream(seed: int, unit: int, devices: Sequence[torch.device] = ()) -> I
     (CPU, and the CUDA ones of ``devices``) are restored afterwards."""
     cuda = sorted({d.index or 0 for d in devices if d.type == "cuda"})
     with torch.random.fork_rng(devices=cuda, enabled=True):
-        _ACTIVE.streams.append((seed, unit))
+        _ACTIVE.streams.append((seed, unit, tuple(cuda)))
         try:
             yield
         finally:
@@ -89,8 +89,14 @@ def draw_from_stream(key: str) -> None:
     """Seed the global generator for random node ``key`` of the running unit (no-op outside
     :func:`unit_stream`)."""
     if _ACTIVE.streams:
-        seed, unit = _ACTIVE.streams[-1]
-        torch.manual_seed(unit_seed(seed, unit, key))
+        seed, unit, cuda = _ACTIVE.streams[-1]
+        value = unit_seed(seed, unit, key)
+        # the generators the stream forked, as torch.manual_seed would seed them; torch.manual_seed
+        # itself also queues a lazy seeding of every CUDA device (a Python stack trace per call
+        # on a machine without CUDA: a fifth of a small model's forward)
+        torch.default_generator.manual_seed(value)
+        for index in cuda:
+            torch.cuda.default_generators[index].manual_seed(value)
 
 
 def _op_name(node: torch.fx.Node) -> str:
@@ -112,12 +118,23 @@ def _aten_seeded(name: str) -> bool:
 
 
 def _argument(node: torch.fx.Node, spec: tuple[int, str] | None) -> Any:
+    """The argument at ``spec`` (position, keyword); left out, the op schema's default (an
+    omitted ``dropout_p`` of attention is 0: it never draws)."""
     if spec is None:
         return None
     pos, kw = spec
     if kw in node.kwargs:
         return node.kwargs[kw]
-    return node.args[pos] if len(node.args) > pos else None
+    if len(node.args) > pos:
+        return node.args[pos]
+    target = node.target
+    if not isinstance(target, torch._ops.OpOverload):  # a torch function: its ATen op's schema
+        packet = getattr(torch.ops.aten, _op_name(node), None)
+        target = getattr(packet, "default", None)
+    for a in getattr(getattr(target, "_schema", None), "arguments", ()):
+        if a.name == kw and a.has_default_value():
+            return a.default_value
+    return None
 
 
 def _never_draws(node: torch.fx.Node, name: str) -> bool:

@@ -46,9 +46,11 @@ __all__ = ["MEASURE", "resolve_calibration", "calibrated_params", "calibrated_to
 MEASURE = "measure"
 
 
-def resolve_calibration(value: str | Path | Calibration | None, ranks: int = 2) -> Calibration | None:
+def resolve_calibration(value: str | Path | Calibration | None, ranks: int = 2,
+                        threads: int | None = None) -> Calibration | None:
     """A calibration from a file path, ``"measure"`` (``ranks`` ranks on loopback, now, so the
-    all-reduce fit is at that count), or as given.
+    all-reduce fit is at that count; ``threads``: torch threads per rank of its compute probe,
+    default 1), or as given.
 
     Raises CalibrationError (a PipetrainError) when the file is missing or malformed.
     """
@@ -59,7 +61,7 @@ def resolve_calibration(value: str | Path | Calibration | None, ranks: int = 2) 
     if str(value) == MEASURE:
         from ..cluster.measure import calibrate
 
-        return calibrate(None, ranks=ranks)
+        return calibrate(None, ranks=ranks, threads=threads or 1)
     return load_calibration(value)
 
 
@@ -82,6 +84,19 @@ def calibrated_topology(cal: Calibration, workers: int, memory_per_worker: float
     return Topology.flat(workers, cal.p2p.bandwidth_bytes_per_second, memory_per_worker)
 
 
+def slowed(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every node's compute time ``x factor`` (a calibration's
+    ``compute_slowdown``: a stage computes slower inside a run than profiled alone)."""
+    from ..profile.types import Profile
+
+    if factor == 1.0:
+        return profile
+    nodes = [replace(n, forward_time=n.forward_time * factor, backward_time=n.backward_time * factor)
+             for n in profile.nodes]
+    return Profile(profile.model, profile.batch_size, nodes, profile.device, profile.optimizer,
+                   profile.optimizer_state_bytes_per_parameter_byte)
+
+
 def plan_with_calibration(profile: Profile, workers: int, cal: Calibration, options: Any = None) -> Plan:
     """:func:`pipetrain.plan.api.plan` on ``workers`` with the calibrated topology and costs.
 
@@ -96,7 +111,7 @@ def plan_with_calibration(profile: Profile, workers: int, cal: Calibration, opti
         raise PlanError(f"a calibration sets the 'pipetrain' cost model's constants, but cost model "
                         f"{opts.cost_model!r} was asked for; drop --cost-model or the calibration")
     opts = replace(opts, cost_params=calibrated_params(cal, opts.cost_params.minibatches))
-    result = plan(profile, calibrated_topology(cal, workers), opts)
+    result = plan(slowed(profile, cal.compute_slowdown), calibrated_topology(cal, workers), opts)
     result.extra["calibration"] = calibration_summary(cal)
     return result
 
@@ -108,4 +123,4 @@ def calibration_summary(cal: Calibration) -> dict[str, Any]:
             "p2p_latency_seconds": cal.p2p.latency_seconds,
             "p2p_bandwidth_bytes_per_second": cal.p2p.bandwidth_bytes_per_second,
             "allreduce_bus_bandwidth_bytes_per_second": cal.allreduce_bus_bandwidth,
-            "allreduce_step_latency_seconds": ring_step_latency(cal)}
+            "allreduce_step_latency_seconds": ring_step_latency(cal), "compute_slowdown": cal.compute_slowdown}

@@ -37,7 +37,7 @@ log = logging.getLogger("pipetrain.profile")
 #: The environment variable naming the cache directory.
 CACHE_ENV = "PIPETRAIN_CACHE"
 #: Bumped when what a cached measurement means changes: older entries are then misses.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 
 T = TypeVar("T")
 

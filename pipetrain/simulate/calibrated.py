@@ -6,6 +6,9 @@
 
       allreduce(P, r) = 2 (r-1)/r * P / B_bus + 2 (r-1) * alpha_step
 
+- Compute: the profile's node times and the optimizer steps ``x compute_slowdown`` (the
+  calibration's measure of how much slower a rank computes while every rank of its host
+  does, :mod:`pipetrain.cluster.calibration`).
 - :func:`predict_run`: the simulated time per minibatch of a run and its bytes per sample
   (:func:`pipetrain.plan.traffic.plan_traffic`).
 """
@@ -16,7 +19,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
-from ..plan.calibrated import calibrated_topology, ring_step_latency
+from ..plan.calibrated import calibrated_topology, ring_step_latency, slowed
 from ..plan.traffic import plan_traffic
 from ..plan.types import Plan
 from ..schedule.registry import get_schedule
@@ -62,9 +65,11 @@ def calibrated_costs(plan: Plan, profile: Profile, cal: Calibration, units: int 
     if len(steps) != plan.num_stages or any(not 0 <= x < float("inf") for x in steps):
         raise PlanError(f"step_time needs one finite value >= 0 or one per stage ({plan.num_stages}), "
                         f"got {step_time!r}")
-    base = StageCosts.from_plan(plan, profile, calibrated_topology(cal, max(plan.num_workers, 1)), units=units,
+    base = StageCosts.from_plan(plan, slowed(profile, cal.compute_slowdown),
+                                calibrated_topology(cal, max(plan.num_workers, 1)), units=units,
                                 latency=cal.p2p.latency_seconds)
-    return CalibratedStageCosts(stages=[replace(c, step_time=x) for c, x in zip(base.stages, steps)],
+    slow = cal.compute_slowdown
+    return CalibratedStageCosts(stages=[replace(c, step_time=x * slow) for c, x in zip(base.stages, steps)],
                                 bandwidth=base.bandwidth, latency=base.latency, topology=base.topology,
                                 extra=dict(base.extra), allreduce_bandwidth=cal.allreduce_bus_bandwidth,
                                 allreduce_step_latency=ring_step_latency(cal))

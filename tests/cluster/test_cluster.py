@@ -189,6 +189,16 @@ def test_calibration_on_loopback_is_positive_and_finite() -> None:
         assert 0 < fit.latency_seconds < 1 and math.isfinite(fit.latency_seconds)
         assert 0 < fit.bandwidth_bytes_per_second < math.inf
     assert cal.where == "loopback" and {s.kind for s in cal.samples} == {"p2p", "allreduce"}
+    assert 1.0 <= cal.compute_slowdown < 10
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) > 2, reason="needs more ranks than cores: 4 ranks on at most 2 cores")
+def test_more_ranks_than_cores_compute_slower_by_about_their_ratio() -> None:
+    """4 one-thread ranks on 2 cores: each computes at about half its speed alone."""
+    from pipetrain.cluster.measure import calibrate
+
+    cal = calibrate(None, ranks=4, timeout=60)
+    assert 1.5 <= cal.compute_slowdown <= 3.0, cal.compute_slowdown
 
 
 def test_calibration_measures_a_50mbit_link_from_the_command_line(capsys: pytest.CaptureFixture[str],

@@ -175,6 +175,10 @@ def test_calibration_file_round_trips(tmp_path: Path) -> None:
     assert four.allreduce_bus_bandwidth == pytest.approx(6.0e6 * 1.5)
     topo = calibrated_topology(cal, 4)
     assert topo.total_workers == 4 and topo.levels[0].bandwidth == 6.3e6
+    assert cal.compute_slowdown == 1.0 and "compute_slowdown" in d  # written; absent (older files): 1.0
+    del d["compute_slowdown"]
+    assert Calibration.from_dict(d).compute_slowdown == 1.0
+    assert Calibration.from_dict({**d, "compute_slowdown": 1.4}).compute_slowdown == 1.4
 
 
 @pytest.mark.parametrize("edit, message", [
@@ -183,6 +187,7 @@ def test_calibration_file_round_trips(tmp_path: Path) -> None:
     ({"p2p": {"latency_seconds": 1e-5, "bandwidth_bytes_per_second": -1}},
      r"p2p needs latency_seconds >= 0 and bandwidth_bytes_per_second > 0, got 1e-05 and -1"),
     ({"hosts": None}, r"is malformed \(TypeError"),
+    ({"compute_slowdown": 0}, r"compute_slowdown must be a number > 0, got 0"),
 ])
 def test_calibration_file_errors(tmp_path: Path, edit: dict[str, Any], message: str) -> None:
     path = tmp_path / "cal.json"

@@ -141,6 +141,26 @@ def test_simulated_dp_minibatch_pays_one_measured_allreduce() -> None:
     assert costs.allreduce_time(0, [0, 1]) == pytest.approx(cal.allreduce.seconds(P), rel=1e-12)
 
 
+def test_compute_slowdown_scales_every_compute_time_of_the_prediction() -> None:
+    """A calibration measured with the ranks computing slower together than alone: the
+    simulated F, B and STEP times are the profile's times that many times, the transfers as
+    measured (the DP plan's time is compute / 2 x slowdown + the all-reduce)."""
+    from dataclasses import replace
+
+    prof = vgg_like()
+    cal = make_cal(50 * MBIT)
+    dp = Plan(stages=[Stage(nodes=list(prof.names), replicas=2)], model=prof.model, batch_size=prof.batch_size)
+    slow = replace(cal, compute_slowdown=1.5)
+    C = sum(n.compute_time for n in prof.nodes)
+    P = sum(n.parameter_bytes for n in prof.nodes)
+    got = predict_run(dp, prof, slow, "dp", steps=6, step_time=0.01)
+    assert got["time_per_minibatch"] == pytest.approx(1.5 * (C / 2 + 0.01) + cal.allreduce.seconds(P), rel=1e-9)
+    pipeline = plan_with_calibration(prof, 2, slow, PlanOptions(use_all_workers=True))
+    same = plan_with_calibration(prof, 2, cal, PlanOptions(use_all_workers=True))
+    assert pipeline.extra["calibration"]["compute_slowdown"] == 1.5
+    assert pipeline.predicted_time > same.predicted_time  # the planner sees the slower compute too
+
+
 # -- calibration file round trip --------------------------------------------------------------
 def test_calibration_file_round_trip_into_the_planner(tmp_path: Path) -> None:
     prof = vgg_like()

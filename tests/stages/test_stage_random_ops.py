@@ -60,3 +60,35 @@ def test_every_cut_draws_the_masks_of_the_whole_graph() -> None:
     with unit_stream(5, 0):
         first = whole.module(x)
     assert not torch.equal(first, ref)  # units draw different masks
+
+
+class Attending(nn.Module):
+    def __init__(self, p: float | None) -> None:
+        super().__init__()
+        self.qkv, self.p = nn.Linear(8, 24), p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        if self.p is None:  # dropout_p left at its default, as Hugging Face's attention passes it when not training
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, dropout_p=self.p, is_causal=True)
+
+
+@pytest.mark.parametrize(("p", "draws"), [(None, False), (0.0, False), (0.2, True)])
+def test_attention_draws_only_with_a_dropout_probability(p: float | None, draws: bool) -> None:
+    from pipetrain.graph.random_ops import random_nodes
+
+    cm = capture(Attending(p), torch.randn(2, 5, 8))
+    assert bool(random_nodes(cm.gm)) == draws
+
+
+def test_the_stream_seeds_the_generator_as_manual_seed_would() -> None:
+    from pipetrain.graph.random_ops import draw_from_stream, unit_seed
+
+    before = torch.random.get_rng_state()
+    with unit_stream(5, 3):
+        draw_from_stream("drop")
+        drawn = torch.rand(4)
+    torch.manual_seed(unit_seed(5, 3, "drop"))
+    assert torch.equal(drawn, torch.rand(4))
+    torch.random.set_rng_state(before)
