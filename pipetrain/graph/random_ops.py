@@ -127,10 +127,9 @@ def _argument(node: torch.fx.Node, spec: tuple[int, str] | None) -> Any:
         return node.kwargs[kw]
     if len(node.args) > pos:
         return node.args[pos]
-    target = node.target
+    target: Any = node.target
     if not isinstance(target, torch._ops.OpOverload):  # a torch function: its ATen op's schema
-        packet = getattr(torch.ops.aten, _op_name(node), None)
-        target = getattr(packet, "default", None)
+        target = getattr(getattr(torch.ops.aten, _op_name(node), None), "default", None)
     for a in getattr(getattr(target, "_schema", None), "arguments", ()):
         if a.name == kw and a.has_default_value():
             return a.default_value
