@@ -13,7 +13,8 @@ measured costs and returns the fastest:
    unit size (per-node times do not scale linearly with the unit size on a CPU), each
    scaled to the minibatch (times and activations ``x units``, so the simulator's division
    by the unit count gives the unit's measured times back). Optimizer steps: each stage's
-   ``torch.optim`` step over its parameters, timed here. Every measurement goes through the
+   STEP over its parameters as the runtime runs it (the gradients' mean, the ``torch.optim``
+   step, the numerics guard's read of the weights), timed here. Every measurement goes through the
    measurement cache when the caller gives one (:mod:`pipetrain.auto.measured`), so a run
    repeated on the same machine measures nothing again.
 2. **Candidates.** Every schedule whose spec says ``auto`` (:class:`ScheduleSpec`): the unit
@@ -24,7 +25,8 @@ measured costs and returns the fastest:
 3. **Plan and correct.** Each pipeline candidate is planned by the dynamic program with the
    calibrated costs and that schedule's memory rule; its stages are then timed as a whole
    (:mod:`pipetrain.auto.stage_timing`), the unit profile corrected and the plan made again
-   once (a stage's time as a whole differs from the sum of its nodes').
+   once (a stage's time as a whole differs from the sum of its nodes'). Data parallelism's one
+   stage, the whole model, is timed as a whole the same way.
 4. **Predict.** The schedule simulated on the plan (:func:`pipetrain.simulate.calibrated.predict_run`:
    the same simulator and steady-state definition as ``pipetrain simulate`` and the runtime).
    The fastest prediction wins, except that predictions within :data:`TIE_TOLERANCE` (5%)
@@ -151,7 +153,9 @@ def microbatch_candidates(spec: Any, workers: int, batch: int, given: int | None
 
 
 class _StepTimer:
-    """Seconds of one ``torch.optim`` step over the parameters of a stage's nodes (median of 5)."""
+    """Seconds of one STEP over the parameters of a stage's nodes as the runtime runs it (median
+    of 5): the gradients' mean (a division), the ``torch.optim`` step, and the numerics guard's
+    read of every weight after the update (one sum each, runtime/guards/numerics.py)."""
 
     def __init__(self, optimizer: str, momentum: float, measured: AutoMeasurements) -> None:
         self.optimizer, self.momentum, self.measured = optimizer, momentum, measured
@@ -181,11 +185,20 @@ class _StepTimer:
             opt = torch.optim.AdamW(ps, lr=1e-3, foreach=True)
         else:
             opt = torch.optim.Adam(ps, lr=1e-3, foreach=True)
-        opt.step()
+        grads = [g for p in ps if (g := p.grad) is not None]
+
+        def once() -> None:
+            torch._foreach_div_(grads, 1.0)
+            opt.step()
+            with torch.no_grad():
+                for p in ps:
+                    p.sum()
+
+        once()
         runs = []
         for _ in range(5):
             t = time.perf_counter()
-            opt.step()
+            once()
             runs.append(time.perf_counter() - t)
         return float(statistics.median(runs))
 
@@ -260,8 +273,11 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     def evaluate(name: str, spec: Any, m: int) -> Candidate:
         units = 1 if spec.unit == "minibatch" else m
         captured, inputs, unit_prof, key = at(batch_size // units)
-        if spec.one_stage:
+        if spec.one_stage:  # the whole model is the stage: timed as a whole, like a pipeline's stages
             plan = split_by_config(captured, [workers], model_name, batch_size)
+            lists = [list(s.nodes) for s in plan.stages]
+            seconds = measured.stage_seconds(key, lists, lambda: stage_seconds(captured.gm, inputs, lists, 2))
+            unit_prof = refine_profile(unit_prof, lists, seconds)
         else:
             opts = PlanOptions(schedule=memory_rule_of(name), microbatches=m, use_all_workers=True)
 

@@ -1,0 +1,200 @@
+"""Profiles and predictions on models nobody here wrote: Hugging Face Llama, BERT and T5 built
+from configs, and the zoo's ``gpt``, each at batch 8 x 32 tokens.
+
+    python benchmarks/predict_models.py                     # every model, 1 round
+    python benchmarks/predict_models.py --models llama,bert --rounds 2 --json out.json
+
+For each model, in this order:
+
+1. **Profile against the model's own step**: ``pipetrain profile --model M --batch-size 8
+   --threads 1 --no-cache``; its last line is the step check, the profile's forward + backward
+   over the model's own eager step measured in the same run (``ratio``; within 15% is the
+   profiler's bar).
+2. **The automatic choice against its run**: ``pipetrain train --model M --batch-size 8
+   --workers 2 --schedule auto --steps 60 --json`` (its measurement cache in a temporary
+   directory, so the choice measures everything here); ``predicted`` is the chosen
+   configuration's ``predicted_time_per_minibatch``, ``measured`` the run's steady-state
+   time per minibatch (``batch / samples_per_second_steady``), ``error`` ``|p - m| / m``.
+3. **Every candidate, fixed** (``--candidates``): the auto run's other configurations, each
+   run as ``--schedule S --microbatches m --config C`` with the predicted time the choice gave
+   it, so the errors of the configurations it did not choose are seen too.
+
+The Hugging Face directories are written by ``save_pretrained`` in a child process (seed 0)
+into a temporary directory, deleted afterwards. ``--rounds N`` repeats steps 1-3 and reports
+each round (a 2-core machine shared with other work moves the measured times by 10-40%).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+BATCH = 8
+SEQ = 32
+STEPS = 60
+
+HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    # name: (config class, model class, config arguments)
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "max_position_embeddings": 64}),
+    "bert": ("BertConfig", "BertForMaskedLM",
+             {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "max_position_embeddings": 64, "hidden_dropout_prob": 0.0,
+              "attention_probs_dropout_prob": 0.0}),
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           {"vocab_size": 256, "d_model": 256, "d_kv": 64, "d_ff": 512, "num_layers": 2, "num_decoder_layers": 2,
+            "num_heads": 4, "dropout_rate": 0.0, "decoder_start_token_id": 0, "pad_token_id": 0}),
+}
+GPT = ["--model", "gpt", "--option", "d_model=256", "--option", "layers=4", "--option", "heads=4",
+       "--option", f"seq_len={SEQ}", "--option", "vocab=256"]
+DESCRIPTION = {
+    "llama": "Hugging Face Llama (4 layers, hidden 256, intermediate 512, 4 heads, vocab 256)",
+    "bert": "Hugging Face BERT masked LM (4 layers, hidden 256, intermediate 512, 4 heads, vocab 256)",
+    "t5": "Hugging Face T5 (2 + 2 layers, d_model 256, d_ff 512, 4 heads, vocab 256)",
+    "gpt": "zoo gpt (d_model 256, 4 layers, 4 heads, vocab 256)",
+}
+
+
+def write_hf(name: str, directory: str) -> None:
+    """``save_pretrained`` of the model ``name`` (weights from seed 0) in a child process."""
+    config_cls, model_cls, kwargs = HF_CONFIGS[name]
+    code = ("import json, sys, torch, transformers\n"
+            "torch.manual_seed(0)\n"
+            f"config = transformers.{config_cls}(**json.loads(sys.argv[1]))\n"
+            f"transformers.{model_cls}(config).save_pretrained(sys.argv[2])\n")
+    subprocess.run([sys.executable, "-c", code, json.dumps(kwargs), directory], check=True, capture_output=True)
+
+
+def model_args(name: str, dirs: dict[str, str]) -> list[str]:
+    if name == "gpt":
+        return list(GPT)
+    return ["--model", f"hf:{dirs[name]}", "--option", f"seq_len={SEQ}"]
+
+
+def _pipetrain(args: list[str], env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pipetrain", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def profile_check(margs: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """The profile's step check: its forward + backward, the model's own step, their ratio."""
+    out = _pipetrain(["profile", *margs, "--batch-size", str(BATCH), "--threads", "1", "--no-cache"], env)
+    m = re.search(r"step check: profile total ([\d.]+) ms / measured whole-model step ([\d.]+) ms = ([\d.]+)",
+                  out.stdout + out.stderr)
+    if out.returncode != 0 or m is None:
+        return {"status": "failed", "error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+    return {"status": "ok", "profile_ms": float(m.group(1)), "own_step_ms": float(m.group(2)),
+            "ratio": float(m.group(3))}
+
+
+def train(margs: list[str], extra: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """One ``train --json`` run: its configuration, predicted and measured time per minibatch."""
+    out = _pipetrain(["train", *margs, "--batch-size", str(BATCH), "--workers", "2", "--steps", str(STEPS),
+                      "--json", *extra], env)
+    if out.returncode != 0:
+        return {"status": "failed", "error": out.stderr.strip().splitlines()[-1:]}
+    d = json.loads(out.stdout)
+    measured = BATCH / d["samples_per_second_steady"] if d.get("samples_per_second_steady") else None
+    predicted = d.get("predicted_time_per_minibatch")
+    row = {"status": "ok", "schedule": d["schedule"], "microbatches": d["microbatches"], "config": d["config"],
+           "measured_s": measured, "predicted_s": predicted,
+           "error": abs(predicted - measured) / measured if predicted and measured else None}
+    if d.get("auto"):
+        row["candidates"] = [{k: c[k] for k in ("schedule", "microbatches", "config", "predicted_time_per_minibatch")}
+                             for c in d["auto"]["candidates"] if c.get("predicted_time_per_minibatch")]
+        row["choice_seconds"] = d["auto"].get("seconds")
+    return row
+
+
+def one_round(name: str, dirs: dict[str, str], env: dict[str, str], candidates: bool) -> dict[str, Any]:
+    margs = model_args(name, dirs)
+    out: dict[str, Any] = {"profile": profile_check(margs, env)}
+    out["auto"] = auto = train(margs, ["--schedule", "auto"], env)
+    if candidates and auto.get("status") == "ok":
+        fixed = []
+        for c in auto.get("candidates", []):
+            row = train(margs, ["--schedule", c["schedule"], "--microbatches", str(c["microbatches"]),
+                                "--config", c["config"]], env)
+            if row.get("status") == "ok":
+                row["predicted_s"] = c["predicted_time_per_minibatch"]
+                row["error"] = abs(row["predicted_s"] - row["measured_s"]) / row["measured_s"]
+            fixed.append(row)
+        out["fixed"] = fixed
+    return out
+
+
+def _fmt(x: float | None, scale: float = 1e3) -> str:
+    return "-" if x is None else f"{x * scale:.1f}"
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> str:
+    lines = ["| model | round | profile / own step | auto chose | predicted ms | measured ms | error |",
+             "|---|---|---|---|---|---|---|"]
+    for name, rounds in results.items():
+        for i, r in enumerate(rounds, 1):
+            p, a = r["profile"], r["auto"]
+            ratio = f"{p['ratio']:.2f} ({p['profile_ms']:.1f} / {p['own_step_ms']:.1f} ms)" if p["status"] == "ok" \
+                else "failed"
+            chose = f"{a['schedule']} m={a['microbatches']} `{a['config']}`" if a["status"] == "ok" else "failed"
+            err = f"{a['error']:.2f}" if a.get("error") is not None else "-"
+            lines.append(f"| {DESCRIPTION[name]} | {i} | {ratio} | {chose} | {_fmt(a.get('predicted_s'))} | "
+                         f"{_fmt(a.get('measured_s'))} | {err} |")
+    return "\n".join(lines)
+
+
+def fixed_table(results: dict[str, list[dict[str, Any]]]) -> str:
+    lines = ["| model | round | configuration | predicted ms | measured ms | error |", "|---|---|---|---|---|---|"]
+    for name, rounds in results.items():
+        for i, r in enumerate(rounds, 1):
+            for f in r.get("fixed", []):
+                if f["status"] != "ok":
+                    continue
+                lines.append(f"| {name} | {i} | {f['schedule']} m={f['microbatches']} `{f['config']}` | "
+                             f"{_fmt(f['predicted_s'])} | {_fmt(f['measured_s'])} | {f['error']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="llama,bert,t5,gpt", help="comma-separated: llama, bert, t5, gpt")
+    ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--candidates", action="store_true", help="also run every candidate the choice predicted")
+    ap.add_argument("--json", default=None, help="write the figures here")
+    args = ap.parse_args(argv)
+    names = [n for n in args.models.split(",") if n]
+    unknown = sorted(set(names) - set(DESCRIPTION))
+    if unknown:
+        ap.error(f"unknown model {unknown[0]!r}; choose from {', '.join(DESCRIPTION)}")
+    results: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
+    with tempfile.TemporaryDirectory(prefix="pipetrain-predict-") as tmp:
+        dirs = {}
+        for n in names:
+            if n in HF_CONFIGS:
+                dirs[n] = str(Path(tmp) / n)
+                write_hf(n, dirs[n])
+        for r in range(args.rounds):
+            for n in names:
+                cache = Path(tmp) / f"cache-{n}-{r}"  # each round's choice measures everything again
+                env = {**os.environ, "PIPETRAIN_CACHE": str(cache)}
+                results[n].append(one_round(n, dirs, env, args.candidates))
+                a = results[n][-1]["auto"]
+                print(f"{n} round {r + 1}: profile {results[n][-1]['profile'].get('ratio')}, auto "
+                      f"{a.get('schedule')} m={a.get('microbatches')} {a.get('config')}: predicted "
+                      f"{_fmt(a.get('predicted_s'))} ms, measured {_fmt(a.get('measured_s'))} ms", flush=True)
+    print(table(results))
+    if args.candidates:
+        print()
+        print(fixed_table(results))
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
