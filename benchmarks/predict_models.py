@@ -3,6 +3,7 @@ from configs, and the zoo's ``gpt``, each at batch 8 x 32 tokens.
 
     python benchmarks/predict_models.py                     # every model, 1 round
     python benchmarks/predict_models.py --models llama,bert --rounds 2 --json out.json
+    python benchmarks/predict_models.py --pythonpath ../before      # the code before a change
 
 For each model, in this order:
 
@@ -79,8 +80,9 @@ def model_args(name: str, dirs: dict[str, str]) -> list[str]:
 
 
 def _pipetrain(args: list[str], env: dict[str, str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    # python -m puts its working directory first on sys.path: the checkout under test is it
     return subprocess.run([sys.executable, "-m", "pipetrain", *args], env=env, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, cwd=env.get("PREDICT_CWD", tempfile.gettempdir()))
 
 
 def profile_check(margs: list[str], env: dict[str, str]) -> dict[str, Any]:
@@ -89,7 +91,7 @@ def profile_check(margs: list[str], env: dict[str, str]) -> dict[str, Any]:
     m = re.search(r"step check: profile total ([\d.]+) ms / measured whole-model step ([\d.]+) ms = ([\d.]+)",
                   out.stdout + out.stderr)
     if out.returncode != 0 or m is None:
-        return {"status": "failed", "error": (out.stderr or out.stdout).strip().splitlines()[-1:]}
+        return {"status": "failed", "message": (out.stderr or out.stdout).strip().splitlines()[-1:]}
     return {"status": "ok", "profile_ms": float(m.group(1)), "own_step_ms": float(m.group(2)),
             "ratio": float(m.group(3))}
 
@@ -99,7 +101,7 @@ def train(margs: list[str], extra: list[str], env: dict[str, str]) -> dict[str, 
     out = _pipetrain(["train", *margs, "--batch-size", str(BATCH), "--workers", "2", "--steps", str(STEPS),
                       "--json", *extra], env)
     if out.returncode != 0:
-        return {"status": "failed", "error": out.stderr.strip().splitlines()[-1:]}
+        return {"status": "failed", "message": out.stderr.strip().splitlines()[-1:]}
     d = json.loads(out.stdout)
     measured = BATCH / d["samples_per_second_steady"] if d.get("samples_per_second_steady") else None
     predicted = d.get("predicted_time_per_minibatch")
@@ -167,6 +169,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--candidates", action="store_true", help="also run every candidate the choice predicted")
     ap.add_argument("--json", default=None, help="write the figures here")
+    ap.add_argument("--pythonpath", default=None, help="run this checkout's pipetrain instead (the code before)")
     args = ap.parse_args(argv)
     names = [n for n in args.models.split(",") if n]
     unknown = sorted(set(names) - set(DESCRIPTION))
@@ -183,17 +186,20 @@ def main(argv: list[str] | None = None) -> None:
             for n in names:
                 cache = Path(tmp) / f"cache-{n}-{r}"  # each round's choice measures everything again
                 env = {**os.environ, "PIPETRAIN_CACHE": str(cache)}
+                if args.pythonpath:
+                    env["PYTHONPATH"] = os.pathsep.join(p for p in (args.pythonpath, env.get("PYTHONPATH")) if p)
+                    env["PREDICT_CWD"] = args.pythonpath
                 results[n].append(one_round(n, dirs, env, args.candidates))
                 a = results[n][-1]["auto"]
                 print(f"{n} round {r + 1}: profile {results[n][-1]['profile'].get('ratio')}, auto "
                       f"{a.get('schedule')} m={a.get('microbatches')} {a.get('config')}: predicted "
                       f"{_fmt(a.get('predicted_s'))} ms, measured {_fmt(a.get('measured_s'))} ms", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))
     if args.candidates:
         print()
         print(fixed_table(results))
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
 
 
 if __name__ == "__main__":
