@@ -99,7 +99,8 @@ def build_hf(spec: str, batch_size: int | None, options: Mapping[str, Any]) -> M
                          f"got {seq_len!r}")
     vocab = int(getattr(config, "vocab_size", 0) or 0)
     if vocab < 2:
-        raise ModelError(f"--model {spec}: config.json has no vocab_size; hf:DIR trains causal language models")
+        raise ModelError(f"--model {spec}: config.json has no vocab_size; hf:DIR trains language models over a "
+                         f"vocabulary (causal, masked or encoder-decoder)")
     model = _model_class(spec, config)(config)
     # an encoder-decoder (T5, BART) translates seq_len source tokens into seq_len target tokens
     batches: Any = (MaskedTranslationBatches(vocab, seq_len, seq_len) if getattr(config, "is_encoder_decoder", False)
