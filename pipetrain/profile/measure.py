@@ -18,9 +18,9 @@
    nodes of a segment add up to the segment exactly. A node whose own run takes
    :data:`SEGMENT_BUDGET` or more is a segment of its own, and that run is its measurement
    (the timer's cost is nothing beside it; running it again would double the profile of a
-   large model), unless its forward and backward differ by more than :data:`STALL_RATIO`
-   (a stall landed in one of them: it runs once more and the faster of each counts); the
-   segment before it is timed first.
+   large model), unless its forward and backward differ by more than :data:`STALL_RATIO` or
+   it has no backward (a stall may have landed in it: it runs once more and the faster of
+   each counts); the segment before it is timed first.
 3. **The whole model** (the check, :mod:`~pipetrain.profile.step_check`): every node as one
    segment, timed the same way under :data:`CHECK_BUDGET`. When the whole model's
    activations exceed ``check_memory`` bytes (:data:`CHECK_MEMORY`), the check runs on the
@@ -157,10 +157,13 @@ class _Values:
         self.dead = []
 
 
-def _lopsided(f: float, b: float | None) -> bool:
-    """Whether a node's forward and backward seconds differ by more than :data:`STALL_RATIO`
-    (a real layer's backward takes 1-3x its forward)."""
-    if b is None or f <= 0 or b <= 0:
+def _unconfirmed(f: float, b: float | None) -> bool:
+    """Whether one run of a node does not vouch for itself: it has no backward to compare its
+    forward with, or the two differ by more than :data:`STALL_RATIO` (a real layer's backward
+    takes 1-3x its forward)."""
+    if b is None:
+        return True
+    if f <= 0 or b <= 0:
         return False
     return max(f, b) > STALL_RATIO * min(f, b)
 
@@ -219,9 +222,10 @@ class _NodeRunner:
         assert kept is not None
         if self.rerun and f + (b or 0.0) < RERUN_BELOW:
             f, b, _, _ = self._once(node, values, None)
-        elif f + (b or 0.0) >= SEGMENT_BUDGET and _lopsided(f, b):
-            # a long run whose two halves disagree by STALL_RATIO: a stall (page faults, a
-            # descheduled process), not the node; run it again and keep the faster of each half
+        elif f + (b or 0.0) >= SEGMENT_BUDGET and _unconfirmed(f, b):
+            # a long run whose two halves disagree by STALL_RATIO, or with no backward to
+            # compare with: maybe a stall (page faults, a descheduled process), not the node;
+            # run it again and keep the faster of each half
             f2, b2, _, _ = self._once(node, values, None)
             f, b = min(f, f2), (None if b is None or b2 is None else min(b, b2))
         fn, bn = self.cost.net(f, b)
