@@ -270,14 +270,17 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             units_cache[samples] = (captured, tuple(inputs), prof, key)
         return units_cache[samples]
 
+    def timed_as_whole(captured: Any, inputs: Any, key: Any, lists: list[list[str]], unit_prof: Profile) -> Profile:
+        """``unit_prof`` corrected by the stages ``lists`` timed as a whole."""
+        seconds = measured.stage_seconds(key, lists, lambda: stage_seconds(captured.gm, inputs, lists, 2))
+        return refine_profile(unit_prof, lists, seconds)
+
     def evaluate(name: str, spec: Any, m: int) -> Candidate:
         units = 1 if spec.unit == "minibatch" else m
         captured, inputs, unit_prof, key = at(batch_size // units)
         if spec.one_stage:  # the whole model is the stage: timed as a whole, like a pipeline's stages
             plan = split_by_config(captured, [workers], model_name, batch_size)
-            lists = [list(s.nodes) for s in plan.stages]
-            seconds = measured.stage_seconds(key, lists, lambda: stage_seconds(captured.gm, inputs, lists, 2))
-            unit_prof = refine_profile(unit_prof, lists, seconds)
+            unit_prof = timed_as_whole(captured, inputs, key, [list(s.nodes) for s in plan.stages], unit_prof)
         else:
             opts = PlanOptions(schedule=memory_rule_of(name), microbatches=m, use_all_workers=True)
 
@@ -287,8 +290,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             plan = plan_fn(unit_prof)
             lists = [list(s.nodes) for s in plan.stages]
             if len(lists) > 1:  # stages timed as a whole correct the node sums; plan again once
-                seconds = measured.stage_seconds(key, lists, lambda: stage_seconds(captured.gm, inputs, lists, 2))
-                unit_prof = refine_profile(unit_prof, lists, seconds)
+                unit_prof = timed_as_whole(captured, inputs, key, lists, unit_prof)
                 again = plan_fn(unit_prof)
                 plan = plan if _same(plan, again) else again
         why = _runnable(spec, plan, m, workers)

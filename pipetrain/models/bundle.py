@@ -199,17 +199,13 @@ class TranslationBatches:
 
 
 @dataclass(frozen=True)
-class MaskedTranslationBatches:
+class MaskedTranslationBatches(TranslationBatches):
     """:class:`TranslationBatches` with the source's attention mask (all ones) between the
     source and the decoder's tokens: inputs ``(src, mask, tgt[:-1])``, the positional order of a
     Hugging Face encoder-decoder's forward (``input_ids, attention_mask, decoder_input_ids``)."""
 
-    vocab: int
-    src_len: int
-    tgt_len: int
-
     def __call__(self, batch_size: int, generator: torch.Generator) -> Batch:
-        (src, tgt_in), target = TranslationBatches(self.vocab, self.src_len, self.tgt_len)(batch_size, generator)
+        (src, tgt_in), target = super().__call__(batch_size, generator)
         return (src, torch.ones_like(src), tgt_in), target
 
 

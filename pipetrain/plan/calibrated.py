@@ -86,15 +86,12 @@ def calibrated_topology(cal: Calibration, workers: int, memory_per_worker: float
 
 def slowed(profile: Profile, factor: float) -> Profile:
     """``profile`` with every node's compute time ``x factor`` (a calibration's
-    ``compute_slowdown``: a stage computes slower inside a run than profiled alone)."""
-    from ..profile.types import Profile
-
+    ``compute_slowdown``: a stage computes slower inside a run than profiled alone), its other
+    fields (the loss's saved bytes, the measured step) as they are."""
     if factor == 1.0:
         return profile
-    nodes = [replace(n, forward_time=n.forward_time * factor, backward_time=n.backward_time * factor)
-             for n in profile.nodes]
-    return Profile(profile.model, profile.batch_size, nodes, profile.device, profile.optimizer,
-                   profile.optimizer_state_bytes_per_parameter_byte)
+    return replace(profile, nodes=[replace(n, forward_time=n.forward_time * factor,
+                                           backward_time=n.backward_time * factor) for n in profile.nodes])
 
 
 def plan_with_calibration(profile: Profile, workers: int, cal: Calibration, options: Any = None) -> Plan:
