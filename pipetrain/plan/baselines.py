@@ -23,43 +23,86 @@ from .topology import check_topology
 from .types import Plan, Stage, Topology
 
 
-def block_partition(weights: Sequence[float], parts: int) -> list[int]:
-    """Sizes of ``parts`` non-empty contiguous blocks of ``weights`` (all >= 0) minimising the
-    largest block sum. Binary search on the limit with a greedy check, then the greedy blocks
-    are split (never raising a block's sum) until there are exactly ``parts``."""
-    n = len(weights)
-    parts = max(1, min(parts, n))
+def _greedy_blocks(weights: Sequence[float], limit: float, other: Sequence[float] | None = None,
+                   other_limit: float = float("inf")) -> list[int]:
+    """Sizes of the fewest contiguous blocks whose sums of ``weights`` stay within ``limit``
+    and, when given, whose sums of ``other`` stay within ``other_limit`` (a single item over
+    a limit makes a block of its own)."""
+    sizes: list[int] = []
+    cur = cur_other = 0.0
+    cnt = 0
+    for i, w in enumerate(weights):
+        o = other[i] if other is not None else 0.0
+        if cnt and (cur + w > limit or cur_other + o > other_limit):
+            sizes.append(cnt)
+            cur = cur_other = 0.0
+            cnt = 0
+        cur += w
+        cur_other += o
+        cnt += 1
+    sizes.append(cnt)
+    return sizes
 
-    def greedy(limit: float) -> list[int]:
-        sizes, cur, cnt = [], 0.0, 0
-        for w in weights:
-            if cnt and cur + w > limit:
-                sizes.append(cnt)
-                cur, cnt = 0.0, 0
-            cur += w
-            cnt += 1
-        sizes.append(cnt)
-        return sizes
 
+def _least_limit(weights: Sequence[float], parts: int, other: Sequence[float] | None = None,
+                 other_limit: float = float("inf")) -> float:
+    """The smallest largest block sum of ``weights`` over partitions into at most ``parts``
+    contiguous blocks whose ``other`` sums stay within ``other_limit`` (binary search on the
+    limit with the greedy check; the greedy partition is the fewest blocks for a limit)."""
     lo, hi = max(weights, default=0.0), float(sum(weights))
-    if len(greedy(lo)) <= parts:
-        hi = lo
+    if len(_greedy_blocks(weights, lo, other, other_limit)) <= parts:
+        return lo
     for _ in range(200):
         if hi <= lo * (1 + 1e-15) or hi - lo <= 0:
             break
         mid = 0.5 * (lo + hi)
         if not lo < mid < hi:
             break
-        if len(greedy(mid)) <= parts:
+        if len(_greedy_blocks(weights, mid, other, other_limit)) <= parts:
             hi = mid
         else:
             lo = mid
-    sizes = greedy(hi)
-    while len(sizes) < parts:  # split the block with most layers (first such) in two
+    return hi
+
+
+def _split_to(sizes: list[int], parts: int) -> list[int]:
+    """Split blocks (the one with most items, first such) in two until there are ``parts``:
+    never raises a block's sum, as every weight is >= 0."""
+    while len(sizes) < parts:
         i = max(range(len(sizes)), key=lambda j: (sizes[j], -j))
         a = sizes[i] // 2
         sizes[i:i + 1] = [sizes[i] - a, a]
     return sizes
+
+
+def block_partition(weights: Sequence[float], parts: int) -> list[int]:
+    """Sizes of ``parts`` non-empty contiguous blocks of ``weights`` (all >= 0) minimising the
+    largest block sum. Binary search on the limit with a greedy check, then the greedy blocks
+    are split (never raising a block's sum) until there are exactly ``parts``."""
+    parts = max(1, min(parts, len(weights)))
+    return _split_to(_greedy_blocks(weights, _least_limit(weights, parts)), parts)
+
+
+LEAN_SLACK = 1.2
+"""How much slower than the balanced optimum a cut by :func:`lean_block_partition` may make
+its slowest block, to hold fewer bytes in its largest one."""
+
+
+def lean_block_partition(weights: Sequence[float], nbytes: Sequence[float], parts: int,
+                         slack: float = LEAN_SLACK) -> list[int]:
+    """Sizes of ``parts`` non-empty contiguous blocks: among the partitions whose largest
+    ``weights`` sum (compute) is within ``slack`` times the least possible (:func:`block_partition`'s),
+    those whose largest ``nbytes`` sum (a stage's parameters) is the least; among those, the
+    least largest ``weights`` sum. A model whose cheap layers hold most bytes (a language
+    model's token embedding: almost no compute, a large table) so gets stages that each hold
+    about their share of the weights, at a bounded cost in speed."""
+    parts = max(1, min(parts, len(weights)))
+    best = _least_limit(weights, parts)
+    compute_limit = best * slack * (1 + 1e-12)
+    most_bytes = _least_limit(nbytes, parts, weights, compute_limit)
+    bytes_limit = most_bytes * (1 + 1e-12)
+    compute = _least_limit(weights, parts, nbytes, bytes_limit)
+    return _split_to(_greedy_blocks(weights, compute, nbytes, bytes_limit), parts)
 
 
 def _straight(profile: Profile, topology: Topology, sizes: list[int], method: str, cost_model: str,

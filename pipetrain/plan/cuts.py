@@ -6,9 +6,8 @@ begin where the user says), ``dp`` and ``interleaved``. Both are deterministic f
 the captured graph, so any process computes the same plan.
 
 - :func:`estimate_node_costs`: a multiply-add estimate per node, from shapes and weights.
-- :func:`split_by_config`: contiguous stages of balanced estimated compute
-  (:func:`~pipetrain.plan.baselines.block_partition`, the same block partition the
-  ``balanced_by_time`` baseline uses).
+- :func:`split_by_config`: contiguous stages of balanced estimated compute, holding about
+  their share of the parameters (:func:`~pipetrain.plan.baselines.lean_block_partition`).
 - :func:`split_at_cuts`: stage ``k+1`` begins at the node or module named ``cuts[k]``.
 
 Input nodes always go to stage 0 (design.md).
@@ -20,7 +19,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RuntimeConfigError
-from .baselines import block_partition
+from .baselines import lean_block_partition
 from .types import Plan, Stage
 
 if TYPE_CHECKING:
@@ -56,10 +55,15 @@ def estimate_node_costs(captured: CapturedModel) -> dict[str, float]:
 
 def split_by_config(captured: CapturedModel, replicas: Sequence[int], model: str = "",
                     batch_size: int | None = None) -> Plan:
-    """A plan cutting the graph into ``len(replicas)`` contiguous stages of balanced compute.
+    """A plan cutting the graph into ``len(replicas)`` contiguous stages of balanced compute
+    that each hold about their share of the parameters.
 
-    Deterministic (estimated multiply-adds, :func:`estimate_node_costs`), so every process
-    computes the same plan without a profile. Input nodes go to stage 0.
+    Deterministic (estimated multiply-adds, :func:`estimate_node_costs`, and the nodes'
+    parameter bytes), so every process computes the same plan without a profile: among the
+    cuts whose slowest stage is within :data:`~pipetrain.plan.baselines.LEAN_SLACK` of the
+    balanced optimum, the one whose largest stage holds the fewest parameter bytes
+    (:func:`~pipetrain.plan.baselines.lean_block_partition`; a language model's token
+    embedding costs almost no compute and holds a large table). Input nodes go to stage 0.
 
     Example:
         >>> split_by_config(captured, [2, 1]).config   # doctest: +SKIP
@@ -72,15 +76,17 @@ def split_by_config(captured: CapturedModel, replicas: Sequence[int], model: str
     if len(compute) < len(reps):
         raise RuntimeConfigError(
             f"the model has {len(compute)} layers, too few for {len(reps)} stages; use at most {len(compute)} stages")
-    sizes = block_partition([costs[n] for n in compute], len(reps))
+    nbytes = {n.name: float(n.parameter_bytes) for n in captured.graph.nodes}
+    sizes = lean_block_partition([costs[n] for n in compute], [nbytes[n] for n in compute], len(reps))
     bounds = [0, *itertools.accumulate(sizes)]
     stages = []
     for k, r in enumerate(reps):
         nodes = compute[bounds[k]:bounds[k + 1]]
         stages.append(Stage(nodes=(inputs + nodes) if k == 0 else nodes, replicas=r))
     est = [sum(costs[n] for n in compute[bounds[k]:bounds[k + 1]]) for k in range(len(reps))]
+    held = [sum(nbytes[n] for n in compute[bounds[k]:bounds[k + 1]]) for k in range(len(reps))]
     return Plan(stages=stages, model=model, batch_size=batch_size, cost_model="estimated multiply-adds",
-                extra={"source": "split_by_config", "estimated_stage_costs": est})
+                extra={"source": "split_by_config", "estimated_stage_costs": est, "stage_parameter_bytes": held})
 
 
 def node_modules(node: Any) -> list[str]:
