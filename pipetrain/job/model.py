@@ -12,6 +12,13 @@ A factory whose initialisation cannot be reproduced tensor by tensor (it initial
 with a one-line warning that states the cost; so is a model whose forward cannot run on
 ``meta`` (it mixes in CPU tensors it creates itself). A model whose forward runs on ``meta``
 but whose weightless capture fails is materialised whole by the process that captures it.
+
+Workers need not run the model's code at all when every tensor's value comes from files (an
+``hf:DIR``, ``--init-from``) or was kept at the build (a buffer): the launcher then ships its
+weightless capture as plain data (:func:`ship_model`, :mod:`pipetrain.graph.portable`) and
+each worker rebuilds the graph and reads its own tensors, without importing the model's
+library or ``torch.export`` (about 200 MiB of a worker's memory for a Hugging Face model).
+Both ways give a worker the same graph, node names and tensor values.
 """
 from __future__ import annotations
 
@@ -27,16 +34,18 @@ from .resolved import ResolvedRun
 
 if TYPE_CHECKING:
     from ..graph.capture import CapturedModel
+    from ..graph.portable import PortableCapture
     from ..models.bundle import ModelBundle
-    from ..models.materialize import WeightlessModel
+    from ..models.materialize import TensorSource, WeightlessModel
     from ..models.pretrained import TensorFiles
     from ..stages.boundary import BoundaryCodec
     from ..stages.partition import Partition
 
 log = logging.getLogger(__name__)
 
-__all__ = ["StagedModel", "build_stages", "load_bundle", "load_captured", "capture_model", "model_batch_size",
-           "retarget_meta", "stage_tensor_names", "unread_tensor_names"]
+__all__ = ["ShippedModel", "StagedModel", "build_stages", "ship_model", "load_bundle", "load_captured",
+           "load_shipped", "capture_model", "model_batch_size", "retarget_meta", "stage_tensor_names",
+           "unread_tensor_names"]
 
 
 _WARNED: set[str] = set()  # models whose whole build this process has announced
@@ -115,6 +124,14 @@ def load_captured(cfg: TrainConfig, unit_batch: int, *, weights: bool = False,
     return bundle, captured
 
 
+def load_shipped(cfg: TrainConfig, unit_batch: int, *, warn: bool = False) -> tuple[Any, CapturedModel,
+                                                                                  ShippedModel | None]:
+    """:func:`load_captured`, weightless, and the capture as workers take it (:func:`ship_model`)."""
+    bundle, weightless = _seeded(cfg, unit_batch, warn)
+    captured = capture_model(bundle, weightless)
+    return bundle, captured, ship_model(bundle, captured, weightless, unit_batch)
+
+
 def model_batch_size(cfg: TrainConfig) -> int:
     """The batch size of the model's own example batch (built weightless where it can be)."""
     with torch.random.fork_rng(devices=[]):
@@ -170,22 +187,135 @@ def capture_model(bundle: Any, weightless: WeightlessModel | None = None) -> Cap
 
 
 @dataclass(frozen=True)
+class ShippedModel:
+    """A weightless capture the launcher made, for workers that do not run the model's code.
+
+    Attributes:
+        capture: the capture as plain data (:class:`~pipetrain.graph.portable.PortableCapture`).
+        bundle: the bundle without its model (a placeholder module): the example batch, the
+            loss and the synthetic batches.
+        state_keys: the model's ``state_dict`` keys, in order (checkpoints, ``--save-hf``).
+        param_names: the model's ``named_parameters()`` names, in order (a tie once).
+        source: the files every parameter's value is read from
+            (:class:`~pipetrain.models.pretrained.TensorFiles`).
+        kept: values of the tensors the files do not hold, as the model built them (buffers).
+        unit_batch: the samples of the capture's example batch.
+        codecs: every cut's wires for the run's plan (:func:`with_codecs`; running the graph
+            on ``meta`` to find them would import ``torch._dynamo`` in a worker).
+    """
+
+    capture: PortableCapture
+    bundle: ModelBundle
+    state_keys: list[str]
+    param_names: list[str]
+    source: TensorSource
+    kept: dict[str, torch.Tensor]
+    unit_batch: int
+    codecs: list[BoundaryCodec] | None = None
+
+    def with_codecs(self, captured: CapturedModel, part: Partition) -> ShippedModel:
+        """This model with the wires of ``part``'s cuts, found on the launcher's weightless ``captured``."""
+        import dataclasses
+
+        from ..models.materialize import on_device_of
+        from ..stages.partition import boundary_codecs
+
+        inputs = on_device_of(captured.gm, tuple(self.bundle.example_inputs))
+        return dataclasses.replace(self, codecs=boundary_codecs(captured.gm, part, inputs))
+
+
+def _unshippable(weightless: WeightlessModel | None, model: torch.nn.Module) -> str | None:
+    """Why a worker could not take every tensor's value without the model's code, or ``None``."""
+    if weightless is None or weightless.materialized:
+        return "the model is built whole"
+    if weightless.source is None:
+        return "its initial values come from its init methods"
+    held = set(weightless.source.names())
+    names_of: dict[int, list[str]] = {}
+    params = {id(p) for p in model.parameters()}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        names_of.setdefault(id(t), []).append(name)
+    for tid, names in names_of.items():
+        if not any(n in held for n in names) and (tid in params or tid not in weightless.kept):
+            return f"the files do not hold {names[0]!r}"
+    return None
+
+
+def ship_model(bundle: ModelBundle, captured: CapturedModel, weightless: WeightlessModel | None,
+               unit_batch: int) -> ShippedModel | None:
+    """The launcher's weightless capture as workers take it (module docstring), or ``None``
+    when they must build and capture the model themselves (said at debug level)."""
+    import dataclasses
+    import pickle
+
+    from ..graph.portable import NotPortable, portable
+    from ..models.materialize import is_weightless
+
+    model = bundle.model
+    reason = _unshippable(weightless, model) if is_weightless(model) else "the capture holds the weights"
+    if reason is None:
+        assert weightless is not None and weightless.source is not None
+        gm_tensors = {n: id(t) for n, t in [*captured.gm.named_parameters(remove_duplicate=False),
+                                             *captured.gm.named_buffers(remove_duplicate=False)]}
+        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+        absent = next((n for n, t in named if gm_tensors.get(n) != id(t)), None)
+        if absent is not None:
+            reason = f"the captured graph does not hold {absent!r} under the model's name"
+    if reason is None:
+        assert weightless is not None and weightless.source is not None
+        kept = {n: weightless.kept[id(t)] for n, t in model.named_buffers(remove_duplicate=False)
+                if id(t) in weightless.kept}
+        try:
+            shipped = ShippedModel(portable(captured), dataclasses.replace(bundle, model=torch.nn.Module()),
+                                   list(model.state_dict().keys()), [n for n, _ in model.named_parameters()],
+                                   weightless.source, kept, unit_batch)
+            pickle.dumps(shipped)
+        except NotPortable as exc:
+            reason = str(exc)
+        except Exception as exc:  # noqa: BLE001 - a bundle part that does not pickle (a user's closure)
+            reason = f"the bundle does not pickle ({type(exc).__name__}: {str(exc)[:120]})"
+        else:
+            return shipped
+    log.debug("workers capture the model themselves: %s", reason)
+    return None
+
+
+@dataclass(frozen=True)
 class StagedModel:
     """A run's model, its capture, and the capture cut into the plan's stages.
 
     Attributes:
         bundle: the :class:`~pipetrain.models.ModelBundle` (unit-sized example batch); its
-            model holds storage only for the tensors asked for (the rest on ``meta``).
+            model holds storage only for the tensors asked for (the rest on ``meta``), or is a
+            placeholder when the capture was shipped (``holder`` holds the tensors then).
         captured: ``bundle.model`` captured (:func:`capture_model`), sharing its tensors.
         partition: the captured graph's nodes assigned to the plan's stages
             (:func:`pipetrain.stages.partition.partition_graph`).
         codecs: every cut's wires (:func:`pipetrain.stages.partition.boundary_codecs`).
+        holder: the module holding every tensor under the model's names.
+        state_keys: the model's ``state_dict`` keys, in order.
+        param_names: the model's ``named_parameters()`` names, in order.
     """
 
     bundle: ModelBundle
     captured: CapturedModel
     partition: Partition
     codecs: list[BoundaryCodec]
+    holder: torch.nn.Module
+    state_keys: list[str]
+    param_names: list[str]
+
+    def named_parameters(self) -> dict[str, torch.Tensor]:
+        """The model's parameters by name, in the model's order (a tie once)."""
+        return {n: self.holder.get_parameter(n) for n in self.param_names}
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's ``state_dict`` (the tensors as held: ``meta`` where not materialised)."""
+        out = {}
+        for k in self.state_keys:
+            owner, _, leaf = k.rpartition(".")
+            out[k] = getattr(self.holder.get_submodule(owner) if owner else self.holder, leaf)
+        return out
 
 
 def _attribute_tensors(gm: torch.fx.GraphModule, target: str) -> list[str]:
@@ -211,20 +341,57 @@ def stage_tensor_names(gm: torch.fx.GraphModule, part: Partition, stages: Collec
     return names
 
 
-def unread_tensor_names(gm: torch.fx.GraphModule, part: Partition, model: torch.nn.Module) -> set[str]:
-    """The model's ``state_dict`` entries no stage reads (rank 0 saves them)."""
+def unread_tensor_names(gm: torch.fx.GraphModule, part: Partition, state_keys: Collection[str]) -> set[str]:
+    """The model's ``state_dict`` entries (``state_keys``) no stage reads (rank 0 saves them)."""
     read = stage_tensor_names(gm, part, range(part.num_stages))
-    return {k for k in model.state_dict(keep_vars=True) if k not in read}
+    return {k for k in state_keys if k not in read}
 
 
-def build_stages(run: ResolvedRun, stages: Collection[int] | None = None, *, unread: bool = False) -> StagedModel:
+def _from_shipped(run: ResolvedRun, shipped: ShippedModel, stages: Collection[int] | None,
+                  unread: bool) -> StagedModel:
+    """:func:`build_stages` on the launcher's capture: the graph rebuilt, the tensors of
+    ``stages`` read from the files (or the kept values), nothing of the model's code run."""
+    from ..errors import RuntimeConfigError
+    from ..models.materialize import hold_values
+    from ..stages.partition import partition_graph
+
+    captured, root = shipped.capture.rebuild()  # root: every tensor under the model's names
+    gm = captured.gm
+    part = partition_graph(gm, run.stage_nodes)
+    if shipped.codecs is None:
+        raise RuntimeConfigError("the launcher shipped a capture without its plan's wires (ShippedModel.with_codecs)")
+    codecs = shipped.codecs
+    retarget_meta(gm)
+    names: set[str] | None = None
+    if stages is not None:
+        names = stage_tensor_names(gm, part, stages)
+        if unread:
+            names |= unread_tensor_names(gm, part, shipped.state_keys)
+
+    def value(aliases: list[str]) -> torch.Tensor | None:
+        for n in aliases:
+            t = shipped.source.read(n)
+            if t is not None:
+                return t
+        return next((shipped.kept[n] for n in aliases if n in shipped.kept), None)
+
+    hold_values(root, names, value, holders=[gm])
+    shipped.source.close()  # the files' mapped pages are not this worker's memory once copied
+    return StagedModel(shipped.bundle, captured, part, codecs, root, shipped.state_keys, shipped.param_names)
+
+
+def build_stages(run: ResolvedRun, stages: Collection[int] | None = None, *, unread: bool = False,
+                 shipped: bool = True) -> StagedModel:
     """A multi-worker run's model, captured, cut into its stages, with storage and initial
     values for the tensors of ``stages`` only (``None``: every tensor; ``unread``: also
     those no stage reads, which rank 0 saves). The wires of every cut are described first,
-    on the weightless model."""
+    on the weightless model. ``shipped``: take the launcher's capture when the run carries
+    one (``run.model``, :func:`ship_model`) instead of building and capturing the model."""
     from ..models.materialize import on_device_of
     from ..stages.partition import boundary_codecs, partition_graph
 
+    if shipped and run.model is not None:
+        return _from_shipped(run, run.model, stages, unread)
     bundle, weightless = _seeded(run.config, run.unit_batch, warn=False)
     captured = capture_model(bundle, weightless)
     if weightless is not None and weightless.materialized:
@@ -237,6 +404,8 @@ def build_stages(run: ResolvedRun, stages: Collection[int] | None = None, *, unr
         if stages is not None:
             names = stage_tensor_names(captured.gm, part, stages)
             if unread:
-                names |= unread_tensor_names(captured.gm, part, bundle.model)
+                names |= unread_tensor_names(captured.gm, part, bundle.model.state_dict(keep_vars=True))
         weightless.materialize(names, holders=[captured.gm])
-    return StagedModel(bundle, captured, part, codecs)
+    model = bundle.model
+    return StagedModel(bundle, captured, part, codecs, model, list(model.state_dict().keys()),
+                       [n for n, _ in model.named_parameters()])

@@ -76,6 +76,8 @@ class ResolvedRun:
     schedule_options: Mapping[str, Any]
     segments: tuple[Segment, ...]
     data: DataSpec | None = None    # real data (None: the model's synthetic batches)
+    # the launcher's capture for workers that need not run the model's code (job.model.ShippedModel)
+    model: Any = field(default=None, repr=False, compare=False)
 
     # -- derived --------------------------------------------------------------------------
     @property

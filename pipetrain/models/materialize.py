@@ -48,7 +48,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ModelError
 
-__all__ = ["KEPT_ELEMENTS", "NotWeightless", "WeightlessModel", "build_weightless", "is_weightless", "meta_limit",
+__all__ = ["KEPT_ELEMENTS", "NotWeightless", "WeightlessModel", "build_weightless", "hold_values", "is_weightless",
+           "meta_limit",
            "name_seed", "on_device_of"]
 
 KEPT_ELEMENTS = 1 << 16
@@ -82,6 +83,14 @@ class TensorSource(Protocol):
 
     def read(self, name: str) -> Tensor | None:
         """The tensor ``name``, or ``None`` when the source does not hold it."""
+        ...
+
+    def names(self) -> list[str]:
+        """Every tensor name the source holds."""
+        ...
+
+    def close(self) -> None:
+        """Let go of open files until the next read."""
         ...
 
 
@@ -474,6 +483,38 @@ def _replace(modules: Iterable[nn.Module], replaced: Mapping[int, Tensor]) -> No
         for name, t in held:
             if id(t) in replaced:
                 setattr(module, name, replaced[id(t)])
+
+
+def hold_values(root: nn.Module, names: Collection[str] | None, value: Callable[[list[str]], Tensor | None],
+                holders: Sequence[nn.Module] = ()) -> None:
+    """Give ``root``'s meta tensors named ``names`` (any name of a shared tensor; ``None``:
+    all) CPU storage holding ``value(every name of the tensor)``, in the tensor's dtype, in
+    place (``holders``: other modules holding the same tensors, kept pointing at them): a
+    model whose every value is known without its init methods (files, kept buffers).
+
+    Raises:
+        ModelError: ``value`` has nothing for a tensor asked for.
+    """
+    names_of: dict[int, list[str]] = {}
+    tensors: dict[int, Tensor] = {}
+    for name, t in _tensors(root):
+        names_of.setdefault(id(t), []).append(name)
+        tensors[id(t)] = t
+    asked = None if names is None else set(names)
+    wanted = set(tensors) if asked is None else {id(t) for n, t in _tensors(root) if n in asked}
+    replaced: dict[int, Tensor] = {}
+    for tid in wanted:
+        t = tensors[tid]
+        if not t.is_meta:
+            continue
+        v = value(names_of[tid])
+        if v is None:
+            raise ModelError(f"no value for tensor {names_of[tid][0]!r}: neither the files nor the build hold it")
+        new = _give_storage(t, v.to(t.dtype))
+        if new is not None:
+            replaced[tid] = new
+    if replaced:
+        _replace([m for r in (root, *holders) for m in r.modules()], replaced)
 
 
 def build_weightless(build: Callable[[], T], model_of: Callable[[T], nn.Module],

@@ -122,6 +122,10 @@ class TensorFiles:
         self._handles: dict[Path, Any] = {}
         self._state: dict[str, Tensor] | None = None
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled without open handles or a loaded checkpoint (a worker opens its own)."""
+        return {**self.__dict__, "_handles": {}, "_state": None}
+
     @classmethod
     def at(cls, path: str | os.PathLike[str], label: str) -> TensorFiles:
         """The tensors of a directory (``model.safetensors``, or shards and their index), a
@@ -189,13 +193,26 @@ class TensorFiles:
             self._handles[file] = safe_open(str(file), framework="pt", device="cpu")
         return self._handles[file]
 
+    def close(self) -> None:
+        """Let go of the open files (a memory-mapped file's pages read count as this process's
+        memory while it stays open); a later read opens them again."""
+        self._handles = {}
+        self._state = None
+
     def read(self, name: str) -> Tensor | None:
         """The tensor ``name`` (only it is read), or ``None`` when the files do not hold it."""
         if self._torch_file is not None:
             t = self._torch_state().get(name)
             return None if t is None else t.clone()
         file = self._file_of.get(name)
-        return None if file is None else self._handle(file).get_tensor(name)
+        if file is None:
+            return None
+        from safetensors import safe_open
+
+        # opened for this tensor alone: the file's pages it maps count as this process's
+        # memory until the tensor read from them is let go, never the whole stage's at once
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            return f.get_tensor(name)
 
     def check(self, model: nn.Module, ignore: Iterable[str] = ()) -> None:
         """The files hold a tensor of the right shape for every entry of the model's

@@ -37,7 +37,7 @@ from ..auto.choose import summary_lines
 from ..errors import DataError, PipetrainError, RuntimeConfigError
 from ..job.config import DEFAULT_MAX_EPOCHS, DEFAULT_STEPS, TrainConfig
 from ..job.data import DataSpec
-from ..job.model import load_bundle, load_captured, model_batch_size
+from ..job.model import load_bundle, load_captured, load_shipped, model_batch_size
 from ..job.parse import parse_config, parse_cut
 from ..job.resolved import ResolvedRun, Segment
 from ..plan.cuts import split_at_cuts, split_by_config
@@ -517,6 +517,12 @@ def _load_captured(cfg: TrainConfig, unit_batch: int, weights: bool = False) -> 
         return load_captured(cfg, unit_batch, weights=weights, warn=True)
 
 
+def _load_shipped(cfg: TrainConfig, unit_batch: int) -> tuple[Any, Any, Any]:
+    """:func:`_load_captured`, weightless, and the capture as the workers take it (or ``None``)."""
+    with torch.random.fork_rng(devices=[]):
+        return load_shipped(cfg, unit_batch, warn=True)
+
+
 def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[ResolvedRun, Any]:
     """:func:`resolve_run`, also returning the model bundle it built (for cheap checks)."""
     from ..stages.partition import partition_graph
@@ -555,7 +561,11 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
         _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
     # weightless (no parameter storage here) unless the planner profiles (quick plan)
     captured_unit = batch // m  # the samples of the capture's example batch
-    bundle, captured = _load_captured(cfg, captured_unit, weights=replicas is None and auto is None)
+    shipped = None  # the capture as the workers take it, when they need not run the model's code
+    if replicas is None and auto is None:
+        bundle, captured = _load_captured(cfg, captured_unit, weights=True)
+    else:
+        bundle, captured, shipped = _load_shipped(cfg, captured_unit)
     _check_fits(bundle, source)
     _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)
@@ -584,7 +594,9 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     first = segments[0].schedule
     assert first is not None  # a distributed run has a schedule per segment
     check_ties(part.tied, first.stage_ranks, spec.synchronous, spec.name)
-    run = ResolvedRun(cfg, workers, batch, m, plan, note, options, segments, data)
+    if shipped is not None:  # the plan's wires, found here once (on meta) for every worker
+        shipped = shipped.with_codecs(captured, part) if shipped.unit_batch == batch // m else None
+    run = ResolvedRun(cfg, workers, batch, m, plan, note, options, segments, data, model=shipped)
     run.check()
     _predict_memory(run, captured, captured_unit)  # --memory: refused here, before any worker starts
     return run, bundle

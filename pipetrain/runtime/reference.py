@@ -393,7 +393,7 @@ def replay_config(run: ResolvedRun) -> ReplayResult:
     schedules the workers execute, through :func:`replay_schedule` (the captured graph with
     its random nodes seeded, when it has any: the pipeline's dropout masks)."""
     cfg = run.config
-    staged = build_stages(run)
+    staged = build_stages(run, shipped=False)  # the model built and captured here, as one process does
     bundle, part = staged.bundle, staged.partition
     gm = staged.captured.gm
     seeded = seeded_module(gm) if random_nodes(gm) else None

@@ -72,7 +72,8 @@ def test_model_starts_from_the_directory_weights(tmp_path: Path, layout: str) ->
         assert "lm_head.weight" not in files and model.lm_head.weight is model.model.embed_tokens.weight
 
 
-def test_each_rank_reads_only_its_own_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("shipped", [True, False], ids=["launchers-capture", "own-capture"])
+def test_each_rank_reads_only_its_own_tensors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shipped: bool) -> None:
     path = llama(tmp_path)
     run = resolve_run(cfg(f"hf:{path}", 2, "1-1"))
     read: list[str] = []
@@ -83,12 +84,55 @@ def test_each_rank_reads_only_its_own_tensors(tmp_path: Path, monkeypatch: pytes
         return original(self, name)
 
     monkeypatch.setattr(TensorFiles, "read", spy)
-    staged = build_stages(run, [1])
+    staged = build_stages(run, [1], shipped=shipped)
     mine = stage_tensor_names(staged.captured.gm, staged.partition, [1])
     persistent = set(weights(path))
     assert persistent & mine and set(read) <= mine  # stage 1's tensors, and only those
     assert set(read) >= persistent & mine
-    assert staged.bundle.model.model.embed_tokens.weight.is_meta  # stage 0's: never allocated here
+    assert staged.holder.get_parameter("model.embed_tokens.weight").is_meta  # stage 0's: never allocated here
+
+
+@pytest.mark.parametrize("kind", ["llama", "tied", "t5"])
+def test_workers_take_the_launchers_capture_and_build_the_same_stages(tmp_path: Path, kind: str) -> None:
+    """A run whose every value comes from the files carries the launcher's capture; built from
+    it, every stage has the same nodes, wires and tensor values as built from the model."""
+    path = t5(tmp_path) if kind == "t5" else llama(tmp_path, tie=kind == "tied")
+    run = resolve_run(cfg(f"hf:{path}", 2, "1-1"))
+    assert run.model is not None
+    for k in (0, 1):
+        a, b = build_stages(run, [k]), build_stages(run, [k], shipped=False)
+        assert [n.name for n in a.captured.gm.graph.nodes] == [n.name for n in b.captured.gm.graph.nodes]
+        assert a.partition.stage_of == b.partition.stage_of and a.partition.tied == b.partition.tied
+        assert a.partition.param_stage == b.partition.param_stage
+        assert [c.names for c in a.codecs] == [c.names for c in b.codecs]
+        assert [repr(c.specs) for c in a.codecs] == [repr(c.specs) for c in b.codecs]
+        assert a.state_keys == b.state_keys and a.param_names == b.param_names
+        mine = stage_tensor_names(b.captured.gm, b.partition, [k])
+        sa, sb = a.state_dict(), b.state_dict()
+        for name in mine & set(sb):
+            assert not sa[name].is_meta and torch.equal(sa[name], sb[name]), name
+        for name in set(sb) - mine:
+            assert sa[name].is_meta == sb[name].is_meta, name
+
+
+def test_a_worker_of_a_shipped_model_imports_neither_transformers_nor_export(tmp_path: Path) -> None:
+    """What makes a worker small: it rebuilds the launcher's capture from plain data."""
+    import pickle
+    import subprocess
+    import sys
+
+    run = resolve_run(cfg(f"hf:{llama(tmp_path)}", 2, "1-1"))
+    (tmp_path / "run.pkl").write_bytes(pickle.dumps(run))
+    code = ("import pickle, sys; from pipetrain.job.model import build_stages; "
+            "run = pickle.load(open(sys.argv[1], 'rb')); staged = build_stages(run, [1]); "
+            "print(len(staged.state_keys), 'transformers' in sys.modules, 'torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run.pkl")], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    assert out[1:] == ["False", "False"] and int(out[0]) > 0
+
+
+def test_a_model_initialised_by_its_own_code_is_captured_by_each_worker() -> None:
+    assert resolve_run(cfg("gpt", 2, "1-1", model_options=dict(TINY_OPTIONS["gpt"]))).model is None
 
 
 def test_training_at_a_negligible_rate_keeps_the_directory_weights(tmp_path: Path) -> None:

@@ -243,12 +243,12 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     mine = schedule.stages_of_rank(rank)
     staged = build_stages(run, mine, unread=rank == 0)  # storage for this rank's tensors only
     bundle, captured, part, codecs = staged.bundle, staged.captured, staged.partition, staged.codecs
-    original_keys = list(bundle.model.state_dict().keys())
+    original_keys = list(staged.state_keys)
     modules = build_stage_modules(captured, part, codecs, mine)
     extras: dict[str, torch.Tensor] = {}
     if rank == 0:  # parameters no node reads: no stage holds them, checkpoints need them
         held = set(part.param_stage) | _buffer_names(captured)
-        extras = {k: v.detach().clone() for k, v in bundle.model.state_dict().items() if k not in held}
+        extras = {k: v.detach().clone() for k, v in staged.state_dict().items() if k not in held}
     # Linear weight gradients straight into the accumulators (fused.py); split backwards
     # (I and W) too: the sink's phase tells the layer which half runs (split_backward.py).
     fuse = cfg.performance.fused_grads
@@ -259,7 +259,7 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     first_nodes = stage_first_nodes(run.plan, [n.name for n in captured.graph.nodes if n.is_input])  # type: ignore[arg-type]
     first_modules = {n.name: (node_modules(n) or [""])[-1] for n in captured.gm.graph.nodes}
     # every stage's all-reduce buffers and the ties across stages: what the traffic prediction needs
-    named = dict(bundle.model.named_parameters())
+    named = staged.named_parameters()
     stage_buffers = [reduce_buffers(ps) for ps in stage_parameters(named, part.param_stage, part.tied,
                                                                    schedule.num_stages)]
     ties = tied_buffers(named, part.tied)
