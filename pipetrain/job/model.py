@@ -224,16 +224,20 @@ class ShippedModel:
         return dataclasses.replace(self, codecs=boundary_codecs(captured.gm, part, inputs))
 
 
-def _unshippable(weightless: WeightlessModel | None, model: torch.nn.Module) -> str | None:
+def _unshippable(weightless: WeightlessModel | None, model: torch.nn.Module, captured: CapturedModel) -> str | None:
     """Why a worker could not take every tensor's value without the model's code, or ``None``."""
     if weightless is None or weightless.materialized:
         return "the model is built whole"
     if weightless.source is None:
         return "its initial values come from its init methods"
     held = set(weightless.source.names())
-    names_of: dict[int, list[str]] = {}
     params = {id(p) for p in model.parameters()}
+    gm_tensors = {n: id(t) for n, t in [*captured.gm.named_parameters(remove_duplicate=False),
+                                         *captured.gm.named_buffers(remove_duplicate=False)]}
+    names_of: dict[int, list[str]] = {}
     for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if gm_tensors.get(name) != id(t):
+            return f"the captured graph does not hold {name!r} under the model's name"
         names_of.setdefault(id(t), []).append(name)
     for tid, names in names_of.items():
         if not any(n in held for n in names) and (tid in params or tid not in weightless.kept):
@@ -249,33 +253,22 @@ def ship_model(bundle: ModelBundle, captured: CapturedModel, weightless: Weightl
     import pickle
 
     from ..graph.portable import NotPortable, portable
-    from ..models.materialize import is_weightless
 
     model = bundle.model
-    reason = _unshippable(weightless, model) if is_weightless(model) else "the capture holds the weights"
-    if reason is None:
-        assert weightless is not None and weightless.source is not None
-        gm_tensors = {n: id(t) for n, t in [*captured.gm.named_parameters(remove_duplicate=False),
-                                             *captured.gm.named_buffers(remove_duplicate=False)]}
-        named = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
-        absent = next((n for n, t in named if gm_tensors.get(n) != id(t)), None)
-        if absent is not None:
-            reason = f"the captured graph does not hold {absent!r} under the model's name"
+    reason = _unshippable(weightless, model, captured)
     if reason is None:
         assert weightless is not None and weightless.source is not None
         kept = {n: weightless.kept[id(t)] for n, t in model.named_buffers(remove_duplicate=False)
                 if id(t) in weightless.kept}
+        stripped = dataclasses.replace(bundle, model=torch.nn.Module())
         try:
-            shipped = ShippedModel(portable(captured), dataclasses.replace(bundle, model=torch.nn.Module()),
-                                   list(model.state_dict().keys()), [n for n, _ in model.named_parameters()],
-                                   weightless.source, kept, unit_batch)
-            pickle.dumps(shipped)
+            pickle.dumps(stripped)  # portable() checks the capture's own pickling
+            return ShippedModel(portable(captured), stripped, list(model.state_dict().keys()),
+                                [n for n, _ in model.named_parameters()], weightless.source, kept, unit_batch)
         except NotPortable as exc:
             reason = str(exc)
         except Exception as exc:  # noqa: BLE001 - a bundle part that does not pickle (a user's closure)
             reason = f"the bundle does not pickle ({type(exc).__name__}: {str(exc)[:120]})"
-        else:
-            return shipped
     log.debug("workers capture the model themselves: %s", reason)
     return None
 

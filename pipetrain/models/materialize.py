@@ -495,18 +495,15 @@ def hold_values(root: nn.Module, names: Collection[str] | None, value: Callable[
     Raises:
         ModelError: ``value`` has nothing for a tensor asked for.
     """
+    asked = None if names is None else set(names)
     names_of: dict[int, list[str]] = {}
-    tensors: dict[int, Tensor] = {}
+    wanted: dict[int, Tensor] = {}
     for name, t in _tensors(root):
         names_of.setdefault(id(t), []).append(name)
-        tensors[id(t)] = t
-    asked = None if names is None else set(names)
-    wanted = set(tensors) if asked is None else {id(t) for n, t in _tensors(root) if n in asked}
+        if t.is_meta and (asked is None or name in asked):
+            wanted[id(t)] = t
     replaced: dict[int, Tensor] = {}
-    for tid in wanted:
-        t = tensors[tid]
-        if not t.is_meta:
-            continue
+    for tid, t in wanted.items():
         v = value(names_of[tid])
         if v is None:
             raise ModelError(f"no value for tensor {names_of[tid][0]!r}: neither the files nor the build hold it")
