@@ -11,6 +11,7 @@ the sampling, not their own report, sees the build's peak.
     python benchmarks/stage_memory.py --workers 4 --json out.json
     python benchmarks/stage_memory.py --pythonpath ../old     # another checkout (``git archive``)
     python benchmarks/stage_memory.py --workers 4 --hf-llama 0.8e9   # also a Hugging Face Llama directory
+    python benchmarks/stage_memory.py --layout planner        # stages from the launcher's quick profile
 
 The figure of merit is ``(peak - baseline) / model bytes`` of the largest process: 1.0 or
 more when every process builds the whole model, about ``1/W`` of weights plus gradients
@@ -81,12 +82,20 @@ def model_mib(model: str, options: dict[str, Any]) -> float:
     return sum(t.numel() * 4 for t in tensors.values()) / 2 ** 20
 
 
-def train_command(model: str, options: dict[str, Any], workers: int, steps: int) -> list[str]:
-    cmd = [sys.executable, "-m", "pipetrain", "train", "--model", model, "--workers", str(workers),
-           "--schedule", "flush", "--microbatches", "4", "--batch-size", "4", "--steps", str(steps), "--log-every", "1"]
+#: How the stages of a run are chosen (``--layout``): named, by the launcher's quick profile, or ``auto``.
+LAYOUTS = ("config", "planner", "auto")
+
+
+def train_command(model: str, options: dict[str, Any], workers: int, steps: int, layout: str = "config") -> list[str]:
+    """``pipetrain train`` of ``model`` on ``workers``: ``--config 1-1...`` flush m=4
+    (``config``), flush m=4 on the planner's stages from a quick profile in the launcher
+    (``planner``), or ``--schedule auto`` (``auto``)."""
+    schedule = ["--schedule", "auto"] if layout == "auto" else ["--schedule", "flush", "--microbatches", "4"]
+    cmd = [sys.executable, "-m", "pipetrain", "train", "--model", model, "--workers", str(workers), *schedule,
+           "--batch-size", "4", "--steps", str(steps), "--log-every", "1"]
     for k, v in options.items():
         cmd += ["--option", f"{k}={v}"]
-    if workers > 1:
+    if workers > 1 and layout == "config":
         cmd += ["--config", "-".join(["1"] * workers)]
     return cmd
 
@@ -149,20 +158,23 @@ def run_rows(model: str, options: dict[str, Any], workers: list[int], args: argp
     """Measure ``model`` on each worker count; print a line each."""
     size = model_mib(model, options)
     print(f"model {model} {options}: {size:.0f} MiB fp32; import baseline {baseline:.0f} MiB")
-    print(f"{'workers':>7} {'launcher':>9} {'largest worker':>15} {'max/model':>9} {'seconds':>8} {'to step 1':>9}  "
-          f"workers' peaks (MiB)")
+    print(f"stages: {args.layout}")
+    print(f"{'workers':>7} {'launcher':>9} {'launcher/model':>14} {'largest worker':>15} {'max/model':>9} "
+          f"{'seconds':>8} {'to step 1':>9}  workers' peaks (MiB)")
     rows = []
     for w in workers:
-        r = measure([*train_command(model, options, w, args.steps), *args.train_arg], args.pythonpath,
+        r = measure([*train_command(model, options, w, args.steps, args.layout), *args.train_arg], args.pythonpath,
                     args.interval)
         peaks = r["child_mib"][:w] if w > 1 else []
         largest = max([r["launcher_mib"], *peaks])
         ratio = (largest - baseline) / size
+        launcher_ratio = (r["launcher_mib"] - baseline) / size
         first = r["first_step_seconds"]
-        print(f"{w:>7} {r['launcher_mib']:>9.0f} {max(peaks, default=0):>15.0f} {ratio:>9.2f} {r['seconds']:>8.1f} "
-              f"{first if first is not None else float('nan'):>9.1f}  {', '.join(f'{x:.0f}' for x in peaks) or '-'}")
-        rows.append({"model": model, "options": options, "workers": w, "baseline_mib": baseline, "model_mib": size,
-                     "ratio": ratio, **r})
+        print(f"{w:>7} {r['launcher_mib']:>9.0f} {launcher_ratio:>14.2f} {max(peaks, default=0):>15.0f} {ratio:>9.2f} "
+              f"{r['seconds']:>8.1f} {first if first is not None else float('nan'):>9.1f}  "
+              f"{', '.join(f'{x:.0f}' for x in peaks) or '-'}")
+        rows.append({"model": model, "options": options, "workers": w, "layout": args.layout, "baseline_mib": baseline,
+                     "model_mib": size, "ratio": ratio, "launcher_ratio": launcher_ratio, **r})
     return rows
 
 
@@ -180,6 +192,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-workers", default="4", help="worker counts of the Llama runs (default 4)")
     ap.add_argument("--train-arg", action="append", default=[], metavar="ARG",
                     help="one more argument for every train command (repeat: --train-arg=--no-malloc-tuning)")
+    ap.add_argument("--layout", choices=LAYOUTS, default="config",
+                    help="the stages: --config 1-1... (config), the launcher's quick plan (planner), --schedule auto")
     ap.add_argument("--json", default=None, help="write the figures here")
     args = ap.parse_args(argv)
     if args.pythonpath is not None:

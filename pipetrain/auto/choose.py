@@ -46,6 +46,7 @@ to every worker inside the resolved run, like any plan.
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -61,7 +62,8 @@ if TYPE_CHECKING:
     from ..profile.cache import MeasurementCache
     from ..profile.types import Profile
 
-__all__ = ["Candidate", "AutoChoice", "choose", "choose_on_profile", "microbatch_candidates", "scale_profile"]
+__all__ = ["Candidate", "AutoChoice", "choose", "choose_on_profile", "microbatch_candidates", "scale_profile",
+           "sample_shapes", "STEP_SAMPLE_ELEMENTS"]
 
 #: A function giving the captured model and one unit of inputs at ``samples`` samples.
 ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
@@ -170,8 +172,16 @@ class _StepTimer:
                   for p in gm.get_submodule(str(n.target)).parameters(recurse=False)]
         shapes += [gm.get_parameter(str(n.target)).shape for n in gm.graph.nodes
                    if n.name in names and n.op == "get_attr" and _is_parameter(gm, str(n.target))]
-        self._cache[key] = self.measured.step_seconds(shapes, lambda: self._time(shapes)) if shapes else 0.0
+        self._cache[key] = self.measured.step_seconds(shapes, lambda: self._scaled(shapes)) if shapes else 0.0
         return self._cache[key]
+
+    def _scaled(self, shapes: Sequence[Any]) -> float:
+        """:meth:`_time` on at most :data:`STEP_SAMPLE_ELEMENTS` of the stage's parameters,
+        scaled by its elements (an optimizer step is linear in them): timing a stage as large
+        as the model never allocates the model's weights, gradients and optimizer state."""
+        sample, total = sample_shapes(shapes, STEP_SAMPLE_ELEMENTS)
+        taken = sum(math.prod(s) for s in sample)
+        return self._time(sample) * (total / taken if taken else 1.0)
 
     def _time(self, shapes: Sequence[Any]) -> float:
         import torch
@@ -201,6 +211,30 @@ class _StepTimer:
             once()
             runs.append(time.perf_counter() - t)
         return float(statistics.median(runs))
+
+
+#: The most parameter elements one optimizer step is timed on (``_StepTimer``); a larger
+#: stage's step is scaled from it (16 Mi elements: 64 MiB in fp32, and as much per gradient
+#: and optimizer state).
+STEP_SAMPLE_ELEMENTS = 1 << 24
+
+
+def sample_shapes(shapes: Sequence[Any], limit: int) -> tuple[list[tuple[int, ...]], int]:
+    """The first of ``shapes`` up to ``limit`` elements in all (the one that crosses it cut to
+    a flat tensor of what is left), and the elements of all of them."""
+    total = sum(math.prod(s) for s in shapes)
+    out: list[tuple[int, ...]] = []
+    left = limit
+    for s in shapes:
+        n = math.prod(s)
+        if n <= left:
+            out.append(tuple(s))
+            left -= n
+        else:
+            if left > 0:
+                out.append((left,))
+            break
+    return out, total
 
 
 def _is_parameter(gm: Any, target: str) -> bool:
@@ -266,13 +300,15 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             key = measured.profile_key(captured, samples)
             prof = measured.profile(key, lambda: profiler.profile_captured(
                 captured, inputs, batch_size=samples, warmup=1, repeats=repeats, optimizer=optimizer,
-                momentum=momentum, model_name=model_name, threads=threads, progress=True))
+                momentum=momentum, model_name=model_name, threads=threads, progress=True,
+                held_share=1.0 / workers))  # a weightless capture: its check holds a stage's share at most
             units_cache[samples] = (captured, tuple(inputs), prof, key)
         return units_cache[samples]
 
     def timed_as_whole(captured: Any, inputs: Any, key: Any, lists: list[list[str]], unit_prof: Profile) -> Profile:
         """``unit_prof`` corrected by the stages ``lists`` timed as a whole."""
-        seconds = measured.stage_seconds(key, lists, lambda: stage_seconds(captured.gm, inputs, lists, 2))
+        seconds = measured.stage_seconds(
+            key, lists, lambda: stage_seconds(captured.gm, inputs, lists, 2, tensor_values=captured.tensor_values))
         return refine_profile(unit_prof, lists, seconds)
 
     def evaluate(name: str, spec: Any, m: int) -> Candidate:

@@ -82,13 +82,15 @@ def quick_plan(captured: CapturedModel, inputs: tuple[Any, ...], *, batch_size: 
         from ..profile.profiler import profile_captured
 
         prof = profile_captured(captured, inputs, batch_size=batch_size, warmup=1, repeats=2, optimizer=optimizer,
-                                momentum=momentum, model_name=model_name, threads=threads)
+                                momentum=momentum, model_name=model_name, threads=threads,
+                                held_share=1.0 / workers)  # a weightless capture: a stage's share at most
         opts = PlanOptions(schedule=_memory_model(schedule), microbatches=microbatches)
         planner = _planner(workers, cal)
         if cal is not None:  # measured costs: stage times measured as a whole correct the per-node profile
             from .stage_timing import refined_plan
 
-            chosen, prof = refined_plan(prof, captured.gm, tuple(inputs), lambda pr: planner(pr, opts))
+            chosen, prof = refined_plan(prof, captured.gm, tuple(inputs), lambda pr: planner(pr, opts),
+                                        tensor_values=captured.tensor_values)
         else:
             chosen = planner(prof, opts)
     except (PipetrainError, Exception) as e:  # noqa: BLE001 - any profile/planner failure falls back

@@ -11,28 +11,50 @@ stage's measured time (the forward/backward split within a stage stays the profi
 """
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from ..graph.held import HeldTensors, ValueOf, let_go
 from ..plan.types import Plan
 from ..profile.types import Profile
 
-__all__ = ["node_values", "stage_function", "stage_seconds", "refine_profile", "refined_plan"]
+__all__ = ["node_values", "stage_function", "stage_seconds", "refine_profile", "refined_plan", "PIECE_SHARE",
+           "PIECE_FLOOR"]
+
+#: Of a weightless model's tensor bytes, the most one timed piece of a stage holds...
+PIECE_SHARE = 0.25
+#: ...but never less than this (a small model's stage is timed whole).
+PIECE_FLOOR = 128 << 20
 
 
-def node_values(gm: Any, inputs: Sequence[Any]) -> dict[str, Any]:
-    """Every node's output for ``inputs`` (one forward of the whole graph, no gradient)."""
+def node_values(gm: Any, inputs: Sequence[Any], held: HeldTensors | None = None) -> dict[str, Any]:
+    """Every node's output for ``inputs`` (one forward of the whole graph, no gradient). A
+    weightless ``gm`` runs with ``held`` giving each node's tensors storage while it runs
+    (:mod:`pipetrain.graph.held`); its parameters are then not among the values."""
     import torch
 
     values: dict[str, Any] = {}
+    lazy = held is not None and held.weightless
 
     class Keep(torch.fx.Interpreter):
         def run_node(self, n: Any) -> Any:
+            if lazy and n.op not in ("placeholder", "get_attr", "output"):
+                assert held is not None
+                held.hold(n)
+                for a in n.all_input_nodes:
+                    if a.op == "get_attr":
+                        self.env[a] = self.fetch_attr(str(a.target))
             out = super().run_node(n)
-            values[n.name] = out
+            if not (lazy and n.op == "get_attr"):
+                values[n.name] = out
+            if lazy:
+                assert held is not None
+                held.done(n)
+                held.release()
             return out
 
     with torch.no_grad():
@@ -40,10 +62,11 @@ def node_values(gm: Any, inputs: Sequence[Any]) -> dict[str, Any]:
     return values
 
 
-def stage_function(gm: Any, nodes: Sequence[str], values: dict[str, Any]) -> Callable[[], float]:
+def stage_function(gm: Any, nodes: Sequence[str], values: dict[str, Any]) -> _Timed:
     """A function that runs one forward + backward of the stage made of ``nodes`` (its own
     ``torch.fx`` subgraph; inputs as received, requiring grad when floating point and not a
-    model input; the output's gradient all ones) and returns its seconds."""
+    model input; the output's gradient all ones) and returns its seconds. The parameters it
+    reads are ``values``' (a get_attr node's) or, where ``values`` has none, ``gm``'s own."""
     import torch
 
     wanted = set(nodes)
@@ -57,13 +80,16 @@ def stage_function(gm: Any, nodes: Sequence[str], values: dict[str, Any]) -> Cal
             continue
         for a in n.all_input_nodes:
             if a.name not in env:
-                env[a.name] = g.placeholder(a.name)
-                ins.append(a.name)
+                if a.op == "get_attr" and a.name not in values:
+                    env[a.name] = g.node_copy(a)
+                else:
+                    env[a.name] = g.placeholder(a.name)
+                    ins.append(a.name)
         env[n.name] = g.node_copy(n, lambda a: env[a.name])
         if any(u.name not in wanted for u in n.users):  # read outside the stage (or the model's output)
             outs.append(env[n.name])
     if not outs:
-        return lambda: 0.0
+        return _Timed(None)
     g.output(tuple(outs))
     sub = torch.fx.GraphModule(gm, g)
 
@@ -77,19 +103,68 @@ def stage_function(gm: Any, nodes: Sequence[str], values: dict[str, Any]) -> Cal
             torch.autograd.backward(res, [torch.ones_like(o) for o in res])
         return time.perf_counter() - t
 
-    return once
+    return _Timed(sub, once)
+
+
+class _Timed:
+    """A stage's timing function (:func:`stage_function`) and the module it runs."""
+
+    def __init__(self, module: Any, run: Callable[[], float] | None = None) -> None:
+        self.module, self.run = module, run
+
+    def __call__(self) -> float:
+        return self.run() if self.run is not None else 0.0
+
+
+def _pieces(gm: Any, nodes: Sequence[str], held: HeldTensors) -> list[list[str]]:
+    """``nodes`` in consecutive pieces holding at most :data:`PIECE_SHARE` of a weightless
+    model's tensor bytes each (at least one node): a stage as large as the model is timed
+    piece by piece, never holding the whole model."""
+    if not held.weightless:
+        return [list(nodes)]
+    cap = max(PIECE_FLOOR, PIECE_SHARE * held.total_bytes)
+    by_name = {n.name: n for n in gm.graph.nodes}
+    pieces: list[list[str]] = [[]]
+    seen: set[int] = set()
+    size = 0
+    for name in nodes:
+        extra = held.nbytes(by_name[name], set(seen))
+        if pieces[-1] and size + extra > cap:
+            pieces.append([])
+            seen, size = set(), 0
+        size += held.nbytes(by_name[name], seen)
+        pieces[-1].append(name)
+    return pieces
+
+
+def _timed(gm: Any, nodes: Sequence[str], values: dict[str, Any], repeats: int, held: HeldTensors) -> float:
+    """Median seconds of ``nodes`` run as one subgraph, its tensors held meanwhile."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for name in nodes:
+        held.hold(by_name[name])
+    once = stage_function(gm, nodes, values)
+    try:
+        once()
+        return statistics.median(once() for _ in range(max(1, repeats)))
+    finally:
+        if once.module is not None:
+            let_go(once.module, gm)
+        held.release()
 
 
 def stage_seconds(gm: Any, inputs: Sequence[Any], stages: Sequence[Sequence[str]], repeats: int = 3,
-                  values: dict[str, Any] | None = None) -> list[float]:
-    """Median forward + backward seconds of each stage run as a whole, on ``inputs``."""
-    vals = values if values is not None else node_values(gm, inputs)
-    out = []
-    for nodes in stages:
-        once = stage_function(gm, nodes, vals)
-        once()
-        out.append(statistics.median(once() for _ in range(max(1, repeats))))
-    return out
+                  values: dict[str, Any] | None = None, held: HeldTensors | None = None,
+                  tensor_values: ValueOf | None = None) -> list[float]:
+    """Median forward + backward seconds of each stage run as a whole, on ``inputs``. A
+    weightless ``gm`` holds one stage's tensors at a time (a stage above
+    :data:`PIECE_SHARE` of the model's bytes: piece by piece, the pieces' times summed), with
+    ``tensor_values``' known values or stand-ins (:class:`~pipetrain.graph.held.HeldTensors`)."""
+    if held is None:
+        with HeldTensors(gm, tensor_values) as own:
+            return stage_seconds(gm, inputs, stages, repeats, values, own)
+    vals = values if values is not None else node_values(gm, inputs, held)
+    return [math.fsum(_timed(gm, piece, vals, repeats, held) for piece in _pieces(gm, nodes, held))
+            for nodes in stages]
 
 
 def refine_profile(profile: Profile, stages: Sequence[Sequence[str]], seconds: Sequence[float]) -> Profile:
@@ -107,17 +182,25 @@ def refine_profile(profile: Profile, stages: Sequence[Sequence[str]], seconds: S
 
 
 def refined_plan(profile: Profile, gm: Any, inputs: Sequence[Any], plan_fn: Callable[[Profile], Plan],
-                 rounds: int = 2, repeats: int = 3) -> tuple[Plan, Profile]:
+                 rounds: int = 2, repeats: int = 3, tensor_values: ValueOf | None = None) -> tuple[Plan, Profile]:
     """Plan, time the plan's stages as a whole, correct the profile, re-plan; at most ``rounds``
-    corrections, stopping when the stages do not change. Returns the last plan and profile."""
-    vals = node_values(gm, inputs)
+    corrections, stopping when the stages do not change. Returns the last plan and profile.
+    A weightless ``gm`` is timed holding one stage's tensors at a time (``tensor_values``:
+    their known values, :func:`stage_seconds`)."""
+    with HeldTensors(gm, tensor_values) as held:
+        return _refined(profile, gm, inputs, plan_fn, rounds, repeats, held)
+
+
+def _refined(profile: Profile, gm: Any, inputs: Sequence[Any], plan_fn: Callable[[Profile], Plan],
+             rounds: int, repeats: int, held: HeldTensors) -> tuple[Plan, Profile]:
+    vals = node_values(gm, inputs, held)
     prof = profile
     chosen = plan_fn(prof)
     for _ in range(max(0, rounds)):
         lists = [list(s.nodes) for s in chosen.stages]
         if len(lists) < 2:
             break
-        prof = refine_profile(prof, lists, stage_seconds(gm, inputs, lists, repeats, vals))
+        prof = refine_profile(prof, lists, stage_seconds(gm, inputs, lists, repeats, vals, held))
         again = plan_fn(prof)
         if [list(s.nodes) for s in again.stages] == lists and again.replicas == chosen.replicas:
             chosen = again

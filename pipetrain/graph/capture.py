@@ -128,6 +128,9 @@ class CapturedModel:
             read it (a stage that runs one of them needs that attribute).
         unused_parameters: qualified names of model parameters/buffers no node reads (their
             bytes are counted at the first non-input node).
+        tensor_values: for a capture on ``meta`` (weightless), the known initial value of a
+            tensor by its name in ``gm`` (files, buffers kept at the build) or ``None``: what
+            timing the graph holds its tensors with (:mod:`pipetrain.graph.held`).
     """
 
     graph: LayerGraph
@@ -139,6 +142,7 @@ class CapturedModel:
     node_parameters: dict[str, list[str]] = field(default_factory=dict)
     folded_attributes: dict[str, list[str]] = field(default_factory=dict)
     unused_parameters: list[str] = field(default_factory=list)
+    tensor_values: Callable[[str], torch.Tensor | None] | None = field(default=None, repr=False, compare=False)
 
 
 # --------------------------------------------------------------------------- small helpers

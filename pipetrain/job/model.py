@@ -176,6 +176,8 @@ def capture_model(bundle: Any, weightless: WeightlessModel | None = None) -> Cap
         return capture(model, bundle.example_inputs)
     try:
         captured = capture(model, on_device_of(model, bundle.example_inputs), validate=False)
+        if weightless is not None:
+            captured.tensor_values = weightless.initial_value
     except CaptureError as exc:
         if weightless is None:
             raise

@@ -357,6 +357,7 @@ class WeightlessModel:
     materialized: bool = False
     _loaded: set[int] = field(default_factory=set, repr=False)
     _buffers: dict[str, Tensor] = field(default_factory=dict, repr=False)
+    _named: dict[str, Tensor] = field(default_factory=dict, repr=False)
 
     def __post_init__(self) -> None:
         self._buffers = dict(self.model.named_buffers(remove_duplicate=False))
@@ -420,6 +421,20 @@ class WeightlessModel:
                 self._hold([t for t in every if t.is_meta], holders)
                 self._init_pass()
         self.kept = {}
+
+    def initial_value(self, name: str) -> Tensor | None:
+        """The value tensor ``name`` starts from where it is known without the init pass (the
+        source's, else a buffer kept at the build), or ``None``."""
+        if self.source is not None:
+            value = self.source.read(name)
+            if value is not None:
+                return value
+        if not self.kept:
+            return None
+        if not self._named:
+            self._named = dict(_tensors(self.model))
+        t = self._named.get(name)
+        return None if t is None else self.kept.get(id(t))
 
     def _hold(self, tensors: Iterable[Tensor], holders: Sequence[nn.Module]) -> None:
         """CPU storage for meta ``tensors``, in place (or, for those that cannot be swapped, by

@@ -36,6 +36,16 @@ timed (the model's outputs are kept for the loss), each run's autograd graph goe
 backward, and the parameters' gradients are dropped after every segment, so steps 1 and 2
 hold the values crossing the current cut plus one segment's saved tensors and gradients,
 never every node's. Step 3 holds at most ``check_memory`` bytes of activations.
+
+A weightless graph (its tensors on ``meta``: the launcher's capture) is timed the same way,
+its tensors held on demand (:class:`~pipetrain.graph.held.HeldTensors`): a node's parameters
+get storage when it first runs and go once its segment is timed and no later node reads
+them, so steps 1 and 2 hold one segment's parameters; the check's region is chosen with its
+parameters and their gradients counted beside its activations, within ``held_share``
+(:data:`HELD_CHECK_SHARE`; the launcher's quick profile for W workers: 1/W) of the model's
+tensor bytes (at least :data:`HELD_CHECK_FLOOR`), and its parameters stay held from their
+first node to the check. So timing a weightless model holds that share, or its largest
+segment's tensors, whichever is more; never the whole model (unless one node reads it all).
 """
 from __future__ import annotations
 
@@ -50,12 +60,14 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ProfileError
 from ..graph.capture import is_inplace_node, node_op_name
+from ..graph.held import HeldTensors, ValueOf, let_go
 from .progress import ProfileProgress
 from .saved import SavedBytes
 from .segments import Segment, SegmentBuilder
 from .timing import Clock, RepeatBudget, TimerCost, robust_seconds
 
-__all__ = ["Measured", "MeasureOptions", "measure_graph", "check_start", "split_time", "RERUN_BELOW", "LONG_RUN",
+__all__ = ["Measured", "MeasureOptions", "measure_graph", "check_start", "held_check_limit", "split_time",
+           "HELD_CHECK_SHARE", "HELD_CHECK_FLOOR", "RERUN_BELOW", "LONG_RUN",
            "SEGMENT_BUDGET", "CHECK_BUDGET", "CHECK_MEMORY"]
 
 #: A node whose first run (forward + backward) is shorter than this runs again for its estimate.
@@ -72,6 +84,12 @@ STALL_RATIO = 20.0
 CHECK_BUDGET = 1.0
 #: Activation bytes the whole-model check may hold (above: it checks the graph's tail).
 CHECK_MEMORY = 1 << 30
+#: Of a weightless model's tensor bytes, what its check may hold by default (parameters
+#: and their gradients count twice their bytes, activations once; the launcher's quick
+#: profile for W workers: 1/W, a stage's share)...
+HELD_CHECK_SHARE = 0.5
+#: ...but never less than this (a small model is checked whole).
+HELD_CHECK_FLOOR = 128 << 20
 #: The least estimate a node that ran counts with when a segment's time is split (seconds).
 MIN_SHARE = 1e-7
 
@@ -82,7 +100,8 @@ Kept = tuple[int, list[str], bool]   # saved bytes, earlier nodes saved, own out
 class Measured:
     """What :func:`measure_graph` found: per node (forward, backward) seconds and saved
     tensors; the checked region's (forward, backward) and its first node (None: the whole
-    model); what the loss saves; the segment count."""
+    model); what the loss saves; the segment count; for a weightless graph, the most of its
+    tensor bytes held at once (0 otherwise)."""
 
     times: dict[str, tuple[float, float]]
     kept: dict[str, Kept]
@@ -90,19 +109,34 @@ class Measured:
     step_from: str | None
     loss_saved: tuple[int, bool] | None
     segments: int
+    held_bytes: int = 0
 
 
-def check_start(compute: Sequence[torch.fx.Node], activation_bytes: Mapping[str, int], limit: float | None) -> int:
+def check_start(compute: Sequence[torch.fx.Node], activation_bytes: Mapping[str, int], limit: float | None,
+                tensor_bytes: Callable[[torch.fx.Node], int] | None = None) -> int:
     """Index of the first node the check runs: 0 (the whole model) when every node's
-    activations together are at most ``limit`` (None: no limit), else the start of the
-    longest tail that fits (at least the last node)."""
+    activations (and ``tensor_bytes(node)``: what holding its parameters costs) together are
+    at most ``limit`` (None: no limit), else the start of the longest tail that fits (at
+    least the last node)."""
     if limit is None:
         return 0
     total, start = 0, len(compute)
-    while start > 0 and total + activation_bytes.get(compute[start - 1].name, 0) <= limit:
+    while start > 0:
+        node = compute[start - 1]
+        cost = activation_bytes.get(node.name, 0) + (tensor_bytes(node) if tensor_bytes is not None else 0)
+        if total + cost > limit:
+            break
         start -= 1
-        total += activation_bytes.get(compute[start].name, 0)
+        total += cost
     return min(start, len(compute) - 1) if compute else 0
+
+
+def held_check_limit(limit: float | None, held: HeldTensors, share: float = 0.5) -> float | None:
+    """What the check may hold when the graph's tensors are held on demand: ``limit``, at
+    most ``share`` of the model's tensor bytes (at least :data:`HELD_CHECK_FLOOR`)."""
+    if limit is None or not held.weightless:
+        return limit
+    return min(limit, max(HELD_CHECK_FLOOR, share * held.total_bytes))
 
 
 def _as_leaf(t: torch.Tensor) -> torch.Tensor:
@@ -276,17 +310,18 @@ class MeasureOptions:
     repeats: int
     progress: bool = False
     check_memory: float | None = CHECK_MEMORY
+    held_share: float = HELD_CHECK_SHARE
 
 
 class _GraphPass:
     """The walk of :func:`measure_graph`: nodes one by one, each segment timed once complete."""
 
     def __init__(self, gm: torch.fx.GraphModule, device: torch.device, options: MeasureOptions,
-                 activation_bytes: Mapping[str, int]) -> None:
-        self.gm, self.options = gm, options
+                 activation_bytes: Mapping[str, int], held: HeldTensors) -> None:
+        self.gm, self.options, self.held = gm, options, held
         self.clock = Clock(device)
         self.cost = TimerCost.measure(self.clock, device)
-        self.saved = SavedBytes(gm)
+        self.saved = SavedBytes(gm, held.storages)
         self.values = _Values(gm, self.saved)
         self.runner = _NodeRunner(gm, self.clock, self.cost, rerun=options.warmup > 0)
         self.budget = RepeatBudget(options.warmup, options.repeats, SEGMENT_BUDGET, LONG_RUN)
@@ -298,16 +333,29 @@ class _GraphPass:
         self.builder = SegmentBuilder()
         self.segments = 0
         self.params = list(gm.parameters())
-        self.checked = self.compute[check_start(self.compute, activation_bytes, options.check_memory):]
+        seen: set[int] = set()
+        limit = held_check_limit(options.check_memory, held, options.held_share)
+        start = check_start(self.compute, activation_bytes, limit,
+                            (lambda n: 2 * held.nbytes(n, seen)) if held.weightless else None)
+        self.checked = self.compute[start:]
         inside = set(self.checked)
+        if held.weightless:  # a tensor is held while its nodes run, and the check's until the check
+            self.values.pinned -= {n.name for n in gm.graph.nodes if n.op == "get_attr"}
+            held.pin(self.checked)
         self.values.pinned |= {a.name for n in self.checked for a in n.all_input_nodes if a not in inside}
 
     def node(self, node: torch.fx.Node) -> None:
         """Run ``node`` alone (step 1); time its segment if it completes one (step 2)."""
+        if self.held.weightless:
+            self.held.hold(node)
+            for src in node.all_input_nodes:
+                if src.op == "get_attr" and src.name not in self.values.env:
+                    self.values.put(src, self.runner.interp.fetch_attr(str(src.target)))
         f, b, out, self.kept[node.name] = self.runner.run(node, self.values, self.saved)
         self.estimates[node.name] = (f, b)
         self.values.put(node, leafify(out))
         self.values.read_by(node)
+        self.held.done(node)
         if f + (b or 0.0) >= SEGMENT_BUDGET:  # measured by its own run (module docstring, 2)
             if self.builder.nodes:
                 self._segment(self.builder.take())
@@ -323,6 +371,7 @@ class _GraphPass:
         segment = Segment(self.gm, nodes, self.clock)
         estimate = math.fsum(f + (b or 0.0) for f, b in (self.estimates[n.name] for n in nodes))
         sf, sb = _time_region(lambda: segment.run(self.values.__getitem__), self.budget, estimate, self.cost)
+        let_go(segment.module, self.gm)
         self.times.update(split_time([n.name for n in nodes], sf, sb, self.estimates))
         self.segments += 1
         self._done()
@@ -330,6 +379,8 @@ class _GraphPass:
     def _done(self) -> None:
         """A segment is measured: free what no later node reads, and the gradients."""
         self.values.release()
+        self.held.release()
+        self.held.zero_grad()
         for p in self.params:
             p.grad = None
 
@@ -341,7 +392,8 @@ class _GraphPass:
             if node.op == "placeholder":
                 self.values.put(node, next(feed))
             elif node.op == "get_attr":
-                self.values.put(node, self.runner.interp.fetch_attr(str(node.target)))
+                if not self.held.weightless:  # else put when a node first reads it (:meth:`node`)
+                    self.values.put(node, self.runner.interp.fetch_attr(str(node.target)))
             elif node.op == "output":
                 if loss is not None:
                     loss_saved = loss(self.saved, torch.fx.node.map_arg(node.args[0], lambda n: self.values[n.name]))
@@ -351,7 +403,7 @@ class _GraphPass:
         step = self._check()
         progress.advance()
         step_from = self.checked[0].name if self.checked and self.checked[0] is not self.compute[0] else None
-        return Measured(self.times, self.kept, step, step_from, loss_saved, self.segments)
+        return Measured(self.times, self.kept, step, step_from, loss_saved, self.segments, self.held.peak_bytes)
 
     def _check(self) -> tuple[float, float]:
         """The checked region as one segment: its (forward, backward) seconds (module docstring, 3)."""
@@ -360,18 +412,24 @@ class _GraphPass:
         region = Segment(self.gm, self.checked, self.clock)
         budget = RepeatBudget(min(self.options.warmup, 1), self.options.repeats, CHECK_BUDGET, LONG_RUN)
         estimate = math.fsum(sum(self.times.get(n.name, (0.0, 0.0))) for n in self.checked)
-        return _time_region(lambda: region.run(self.values.__getitem__), budget, estimate, self.cost)
+        try:
+            return _time_region(lambda: region.run(self.values.__getitem__), budget, estimate, self.cost)
+        finally:
+            let_go(region.module, self.gm)
 
 
 def measure_graph(gm: torch.fx.GraphModule, inputs: Sequence[Any], device: torch.device, options: MeasureOptions,
                   loss: Callable[[SavedBytes, Any], tuple[int, bool] | None] | None = None,
-                  activation_bytes: Mapping[str, int] | None = None) -> Measured:
+                  activation_bytes: Mapping[str, int] | None = None, values: ValueOf | None = None) -> Measured:
     """Measure every node of ``gm`` on ``inputs`` (module docstring). ``loss(saved, output)``
     measures what the loss saves, on the model's output; ``activation_bytes`` (per node)
-    chooses the check's region (none given: the whole model)."""
-    walk = _GraphPass(gm, device, options, activation_bytes or {})
-    progress = ProfileProgress(len(walk.compute) + 1, enabled=options.progress)
-    try:
-        return walk.run(inputs, loss, progress)
-    finally:
-        progress.close()
+    chooses the check's region (none given: the whole model). A weightless ``gm`` (its
+    tensors on meta) is timed holding a few tensors at a time (module docstring, memory),
+    with ``values(name)``'s values where it has them, else stand-ins; ``gm`` is left as it was."""
+    with HeldTensors(gm, values, device) as held:
+        walk = _GraphPass(gm, device, options, activation_bytes or {}, held)
+        progress = ProfileProgress(len(walk.compute) + 1, enabled=options.progress)
+        try:
+            return walk.run(inputs, loss, progress)
+        finally:
+            progress.close()

@@ -46,7 +46,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import ProfileError
 from ..graph.capture import CapturedModel, capture, preserved_state
-from .measure import CHECK_MEMORY, MeasureOptions, measure_graph
+from ..graph.held import ValueOf
+from .measure import CHECK_MEMORY, HELD_CHECK_SHARE, MeasureOptions, measure_graph
 from .saved import SavedBytes
 from .types import NodeProfile, Profile
 
@@ -163,7 +164,8 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
                      momentum: float = 0.9, model_name: str = "",
                      threads: int | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
                      target: Any = None, progress: bool = False,
-                     check_memory: float | None = CHECK_MEMORY) -> Profile:
+                     check_memory: float | None = CHECK_MEMORY, values: ValueOf | None = None,
+                     held_share: float = HELD_CHECK_SHARE) -> Profile:
     """Profile an already captured model (its ``gm`` and ``example_inputs`` on ``device``).
 
     Same measurements and arguments as :func:`profile_model`; node names are
@@ -171,7 +173,11 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
     and ``target`` the profile also records what the loss saves for backward.
     ``check_memory``: activation bytes the final whole-model check may hold (None: no limit);
     a model with more is checked on the longest tail of its graph that fits
-    (:func:`~pipetrain.profile.measure.check_start`).
+    (:func:`~pipetrain.profile.measure.check_start`). A weightless capture (its tensors on
+    meta) is profiled holding a few of its tensors at a time, ``values(name)``'s values
+    (default: ``captured.tensor_values``) where it has them, else stand-ins
+    (:mod:`pipetrain.graph.held`); it is left weightless; its check holds at most
+    ``held_share`` of its tensor bytes (:data:`~pipetrain.profile.measure.HELD_CHECK_SHARE`).
     """
     _check_counts(warmup, repeats)
     dev = resolve_device(device)
@@ -195,10 +201,12 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
         return _loss_saved(saved, loss_fn, output, _to_device(target, dev))
 
     _warm_autograd(dev)
-    options = MeasureOptions(*fast_counts(warmup, repeats), progress=progress, check_memory=check_memory)
+    options = MeasureOptions(*fast_counts(warmup, repeats), progress=progress, check_memory=check_memory,
+                             held_share=held_share)
     acts = {n.name: n.activation_bytes for n in captured.graph}
     with num_threads(threads), _saved_grads([gm]), preserved_state(gm, [dev]):
-        measured = measure_graph(gm, inputs, dev, options, loss, acts)
+        measured = measure_graph(gm, inputs, dev, options, loss, acts,
+                                 values if values is not None else captured.tensor_values)
 
     nodes = []
     for ln in captured.graph:

@@ -9,7 +9,7 @@ hands out again is never taken for the freed node's.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -26,8 +26,11 @@ def _storages(value: Any) -> list[int]:
 class SavedBytes:
     """Owners of the live storages, and what a forward saves (class docstring)."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, held: Collection[int] = ()) -> None:
+        """``held``: the storages of weights given storage while the graph runs (a live
+        collection: :attr:`pipetrain.graph.held.HeldTensors.storages`), weights too."""
         self.weights = {t.untyped_storage().data_ptr() for t in [*gm.parameters(), *gm.buffers()]}
+        self.held = held
         self.owner: dict[int, str] = {}
         self._holders: dict[int, int] = {}  # storage -> live registered values holding it
 
@@ -61,7 +64,7 @@ class SavedBytes:
         outs = set(_storages(out))
         new, inputs, output_saved = 0, [], False
         for ptr, nbytes in saved.items():
-            if ptr == 0 or ptr in self.weights:
+            if ptr == 0 or ptr in self.weights or ptr in self.held:
                 continue
             if ptr in self.owner:
                 if self.owner[ptr] not in inputs:

@@ -224,7 +224,6 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
     from dataclasses import replace
 
     from ..auto.choose import choose
-    from ..graph.capture import capture
 
     par = cfg.parallel
     if par.calibration is None and world is not None and not _one_host():
@@ -232,21 +231,12 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
             "--schedule auto across hosts needs the links' measured costs: run `pipetrain calibrate --output FILE` "
             "on these hosts and pass --calibration FILE, or name a schedule")
 
-    from ..models import MODEL_NAMES
-    from ..models.bundle import example_inputs
-
-    built: list[Any] = []
-
     def model_at(samples: int) -> tuple[Any, tuple[Any, ...]]:
-        if cfg.model.name in MODEL_NAMES:  # a built-in model does not depend on the batch: built once
-            if not built:
-                built.append(_load(cfg, samples, weights=True))  # profiled: real weights
-            bundle, example = built[0], example_inputs(built[0].make_batch, samples)
-            captured = capture(bundle.model, example)
-        else:  # a factory may size its model by the batch it is given; captured as the workers
-            # capture it (on meta where it can be, then materialised), so the plan's node names
-            # are the workers' (a model's graph may depend on its tensors' device)
-            bundle, captured = _load_captured(cfg, samples, weights=True)
+        # captured as the workers capture it (weightless: on meta where it can be), so the
+        # plan's node names are the workers' (a model's graph may depend on its tensors'
+        # device); the profile holds a few of its tensors at a time (pipetrain.graph.held).
+        # A factory may size its model by the batch it is given: built per unit size.
+        bundle, captured = _load_captured(cfg, samples)
         inputs = bundle.make_batch(samples, torch.Generator().manual_seed(cfg.training.seed))[0]
         return captured, tuple(inputs)
 
@@ -559,13 +549,9 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     _check_divides(batch, m)
     if replicas is not None:
         _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
-    # weightless (no parameter storage here) unless the planner profiles (quick plan)
+    # weightless (no parameter storage here; the quick plan's profile holds a few tensors at a time)
     captured_unit = batch // m  # the samples of the capture's example batch
-    shipped = None  # the capture as the workers take it, when they need not run the model's code
-    if replicas is None and auto is None:
-        bundle, captured = _load_captured(cfg, captured_unit, weights=True)
-    else:
-        bundle, captured, shipped = _load_shipped(cfg, captured_unit)
+    bundle, captured, shipped = _load_shipped(cfg, captured_unit)
     _check_fits(bundle, source)
     _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)

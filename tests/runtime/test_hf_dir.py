@@ -188,6 +188,23 @@ def test_schedule_auto_plans_on_the_capture_the_workers_run(tmp_path: Path) -> N
     assert {n for s in run.plan.stages for n in s.nodes} <= names
 
 
+def test_the_launchers_planner_profiles_without_building_the_model(tmp_path: Path) -> None:
+    """No --config: the launcher profiles its weightless capture a few tensors at a time (it
+    stays weightless), ships it, and the planner's run equals one worker."""
+    from pipetrain.models.materialize import is_weightless
+    from pipetrain.run.resolve import resolve_with_bundle
+
+    path = llama(tmp_path)
+    run, bundle = resolve_with_bundle(cfg(f"hf:{path}", 2))
+    assert "from a quick profile" in run.plan_note, run.plan_note
+    assert is_weightless(bundle.model) and run.model is not None
+    [two] = launch_local([run], timeout=TIMEOUT)
+    one = train_one_process(resolve_run(cfg(f"hf:{path}")))
+    assert two.losses == pytest.approx(one.losses, rel=1e-5)
+    for name, t in one.state.items():
+        assert float((two.state[name] - t).abs().max() / (t.abs().max() + 1e-6)) <= 1e-5, name
+
+
 def _one_line(exc: pytest.ExceptionInfo[BaseException]) -> str:
     text = str(exc.value)
     assert "\n" not in text
