@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -22,17 +22,19 @@ from ..graph.held import HeldTensors, ValueOf, let_go
 from ..plan.types import Plan
 from ..profile.types import Profile
 
-__all__ = ["node_values", "stage_function", "stage_seconds", "refine_profile", "refined_plan", "PIECE_SHARE",
-           "PIECE_FLOOR"]
+__all__ = ["node_values", "crossing", "stage_function", "stage_seconds", "refine_profile", "refined_plan",
+           "PIECE_SHARE", "PIECE_FLOOR"]
 
 #: Of a weightless model's tensor bytes, the most one timed piece of a stage holds...
-PIECE_SHARE = 0.25
+PIECE_SHARE = 0.125
 #: ...but never less than this (a small model's stage is timed whole).
 PIECE_FLOOR = 128 << 20
 
 
-def node_values(gm: Any, inputs: Sequence[Any], held: HeldTensors | None = None) -> dict[str, Any]:
-    """Every node's output for ``inputs`` (one forward of the whole graph, no gradient). A
+def node_values(gm: Any, inputs: Sequence[Any], held: HeldTensors | None = None,
+                keep: Collection[str] | None = None) -> dict[str, Any]:
+    """Every node's output for ``inputs`` (one forward of the whole graph, no gradient; only
+    ``keep``'s when given, so the forward holds no more than what crosses those cuts). A
     weightless ``gm`` runs with ``held`` giving each node's tensors storage while it runs
     (:mod:`pipetrain.graph.held`); its parameters are then not among the values."""
     import torch
@@ -49,7 +51,7 @@ def node_values(gm: Any, inputs: Sequence[Any], held: HeldTensors | None = None)
                     if a.op == "get_attr":
                         self.env[a] = self.fetch_attr(str(a.target))
             out = super().run_node(n)
-            if not (lazy and n.op == "get_attr"):
+            if not (lazy and n.op == "get_attr") and (keep is None or n.name in keep):
                 values[n.name] = out
             if lazy:
                 assert held is not None
@@ -116,6 +118,18 @@ class _Timed:
         return self.run() if self.run is not None else 0.0
 
 
+def crossing(gm: Any, parts: Sequence[Sequence[str]]) -> set[str]:
+    """The nodes whose values some part reads from outside it, and the model inputs it reads
+    (its inputs as a subgraph, :func:`stage_function`)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    out: set[str] = set()
+    for part in parts:
+        inside = set(part)
+        out |= {a.name for name in part for a in by_name[name].all_input_nodes
+                if a.name not in inside or a.op == "placeholder"}
+    return out
+
+
 def _pieces(gm: Any, nodes: Sequence[str], held: HeldTensors) -> list[list[str]]:
     """``nodes`` in consecutive pieces holding at most :data:`PIECE_SHARE` of a weightless
     model's tensor bytes each (at least one node): a stage as large as the model is timed
@@ -162,9 +176,10 @@ def stage_seconds(gm: Any, inputs: Sequence[Any], stages: Sequence[Sequence[str]
     if held is None:
         with HeldTensors(gm, tensor_values) as own:
             return stage_seconds(gm, inputs, stages, repeats, values, own)
-    vals = values if values is not None else node_values(gm, inputs, held)
-    return [math.fsum(_timed(gm, piece, vals, repeats, held) for piece in _pieces(gm, nodes, held))
-            for nodes in stages]
+    pieces = [_pieces(gm, nodes, held) for nodes in stages]
+    vals = values if values is not None else node_values(gm, inputs, held,
+                                                         crossing(gm, [p for ps in pieces for p in ps]))
+    return [math.fsum(_timed(gm, piece, vals, repeats, held) for piece in ps) for ps in pieces]
 
 
 def refine_profile(profile: Profile, stages: Sequence[Sequence[str]], seconds: Sequence[float]) -> Profile:
@@ -193,14 +208,13 @@ def refined_plan(profile: Profile, gm: Any, inputs: Sequence[Any], plan_fn: Call
 
 def _refined(profile: Profile, gm: Any, inputs: Sequence[Any], plan_fn: Callable[[Profile], Plan],
              rounds: int, repeats: int, held: HeldTensors) -> tuple[Plan, Profile]:
-    vals = node_values(gm, inputs, held)
     prof = profile
     chosen = plan_fn(prof)
     for _ in range(max(0, rounds)):
         lists = [list(s.nodes) for s in chosen.stages]
         if len(lists) < 2:
             break
-        prof = refine_profile(prof, lists, stage_seconds(gm, inputs, lists, repeats, vals, held))
+        prof = refine_profile(prof, lists, stage_seconds(gm, inputs, lists, repeats, None, held))
         again = plan_fn(prof)
         if [list(s.nodes) for s in again.stages] == lists and again.replicas == chosen.replicas:
             chosen = again

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["HeldTensors", "ValueOf", "STAND_IN_STD", "let_go"]
+__all__ = ["HeldTensors", "ValueOf", "STAND_IN_STD", "TRIM_EVERY", "let_go", "trim_heap"]
 
 #: The standard deviation of a floating-point stand-in value.
 STAND_IN_STD = 0.02
@@ -43,6 +43,24 @@ def _stand_in(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
         return torch.empty(t.shape, dtype=t.dtype).normal_(0.0, STAND_IN_STD, generator=g).to(device)
     return torch.zeros(t.shape, dtype=t.dtype, device=device)
+
+
+#: Bytes put back after which :meth:`HeldTensors.release` hands freed heap memory back to
+#: the kernel (:func:`trim_heap`).
+TRIM_EVERY = 64 << 20
+
+
+def trim_heap() -> None:
+    """Give the kernel back the heap pages freed tensors left (glibc's ``malloc_trim``; nothing
+    elsewhere). Tensors below glibc's mmap threshold come from the heap, and a pass that frees
+    and allocates layer after layer leaves it fragmented: without this the process's resident
+    set grows with every layer it times, though it holds only one at a time."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def let_go(module: nn.Module, root: nn.Module) -> None:
@@ -88,6 +106,7 @@ class HeldTensors:
         self.storages: set[int] = set()
         self.pinned: set[int] = set()
         self.peak_bytes = 0
+        self._freed = 0  # bytes put back since the heap was last trimmed
         self.moved: list[tuple[torch.fx.GraphModule, torch.fx.Node, Any, Any]] = []
         if self.original:
             self._retarget()
@@ -191,15 +210,20 @@ class HeldTensors:
     def release(self) -> None:
         """Put back every held tensor no node still to run reads, unless pinned."""
         for key in [k for k in self.real if self.left.get(k, 0) <= 0 and k not in self.pinned]:
-            self._put_back(key)
+            self._freed += self._put_back(key)
+        if self._freed >= TRIM_EVERY:
+            self._freed = 0
+            trim_heap()
 
-    def _put_back(self, key: int) -> None:
+    def _put_back(self, key: int) -> int:
+        """Put back one held tensor; its bytes."""
         real = self.real.pop(key)
         self.storages.discard(real.untyped_storage().data_ptr())
         real.grad = None
         for name in self.names[key]:
             owner, leaf = _owner(self.gm, name)
             setattr(owner, leaf, self.original[name])
+        return real.numel() * real.element_size()
 
     def zero_grad(self) -> None:
         for t in self.real.values():
@@ -209,6 +233,7 @@ class HeldTensors:
         """The graph as it was: every name on its own meta tensor again."""
         for key in list(self.real):
             self._put_back(key)
+        trim_heap()
         modules = {id(m): m for m, _, _, _ in self.moved}
         for _, n, args, kwargs in self.moved:
             n.args, n.kwargs = args, kwargs

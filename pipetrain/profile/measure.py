@@ -44,8 +44,11 @@ them, so steps 1 and 2 hold one segment's parameters; the check's region is chos
 parameters and their gradients counted beside its activations, within ``held_share``
 (:data:`HELD_CHECK_SHARE`; the launcher's quick profile for W workers: 1/W) of the model's
 tensor bytes (at least :data:`HELD_CHECK_FLOOR`), and its parameters stay held from their
-first node to the check. So timing a weightless model holds that share, or its largest
-segment's tensors, whichever is more; never the whole model (unless one node reads it all).
+first node to the check. Every timed run of a weightless graph starts with its held
+weights' gradients dropped (as a step's first microbatch: assigned, not accumulated), so a
+large weight never has two. So timing a weightless model holds that share, or its largest
+segment's tensors and their gradients, whichever is more; never the whole model (unless one
+node reads it all).
 """
 from __future__ import annotations
 
@@ -205,8 +208,11 @@ def _unconfirmed(f: float, b: float | None) -> bool:
 class _NodeRunner:
     """Runs one node on its recorded inputs: estimates, saved bytes and its output."""
 
-    def __init__(self, gm: torch.fx.GraphModule, clock: Clock, cost: TimerCost, rerun: bool) -> None:
-        self.gm, self.clock, self.cost, self.rerun = gm, clock, cost, rerun
+    def __init__(self, gm: torch.fx.GraphModule, clock: Clock, cost: TimerCost, rerun: bool,
+                 fresh: Callable[[], None] = lambda: None) -> None:
+        """``fresh``: called before a node runs again (a weightless graph's held tensors drop
+        their gradients, so a run never holds two of a large weight's)."""
+        self.gm, self.clock, self.cost, self.rerun, self.fresh = gm, clock, cost, rerun, fresh
         self.interp = torch.fx.Interpreter(gm)
 
     def _args(self, node: torch.fx.Node, values: _Values, inplace: bool) -> tuple[Any, Any]:
@@ -255,11 +261,13 @@ class _NodeRunner:
         f, b, out, kept = self._once(node, values, saved)
         assert kept is not None
         if self.rerun and f + (b or 0.0) < RERUN_BELOW:
+            self.fresh()
             f, b, _, _ = self._once(node, values, None)
         elif f + (b or 0.0) >= SEGMENT_BUDGET and _unconfirmed(f, b):
             # a long run whose two halves disagree by STALL_RATIO, or with no backward to
             # compare with: maybe a stall (page faults, a descheduled process), not the node;
             # run it again and keep the faster of each half
+            self.fresh()
             f2, b2, _, _ = self._once(node, values, None)
             f, b = min(f, f2), (None if b is None or b2 is None else min(b, b2))
         fn, bn = self.cost.net(f, b)
@@ -323,7 +331,8 @@ class _GraphPass:
         self.cost = TimerCost.measure(self.clock, device)
         self.saved = SavedBytes(gm, held.storages)
         self.values = _Values(gm, self.saved)
-        self.runner = _NodeRunner(gm, self.clock, self.cost, rerun=options.warmup > 0)
+        self.fresh: Callable[[], None] = held.zero_grad if held.weightless else (lambda: None)
+        self.runner = _NodeRunner(gm, self.clock, self.cost, rerun=options.warmup > 0, fresh=self.fresh)
         self.budget = RepeatBudget(options.warmup, options.repeats, SEGMENT_BUDGET, LONG_RUN)
         self.compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
         self.following = dict(zip(self.compute, [*self.compute[1:], None]))
@@ -370,11 +379,15 @@ class _GraphPass:
     def _segment(self, nodes: list[torch.fx.Node]) -> None:
         segment = Segment(self.gm, nodes, self.clock)
         estimate = math.fsum(f + (b or 0.0) for f, b in (self.estimates[n.name] for n in nodes))
-        sf, sb = _time_region(lambda: segment.run(self.values.__getitem__), self.budget, estimate, self.cost)
+        sf, sb = _time_region(lambda: self._fresh_run(segment), self.budget, estimate, self.cost)
         let_go(segment.module, self.gm)
         self.times.update(split_time([n.name for n in nodes], sf, sb, self.estimates))
         self.segments += 1
         self._done()
+
+    def _fresh_run(self, segment: Segment) -> tuple[float, float | None]:
+        self.fresh()  # a weightless graph's held weights: one gradient each at a time
+        return segment.run(self.values.__getitem__)
 
     def _done(self) -> None:
         """A segment is measured: free what no later node reads, and the gradients."""
@@ -413,7 +426,7 @@ class _GraphPass:
         budget = RepeatBudget(min(self.options.warmup, 1), self.options.repeats, CHECK_BUDGET, LONG_RUN)
         estimate = math.fsum(sum(self.times.get(n.name, (0.0, 0.0))) for n in self.checked)
         try:
-            return _time_region(lambda: region.run(self.values.__getitem__), budget, estimate, self.cost)
+            return _time_region(lambda: self._fresh_run(region), budget, estimate, self.cost)
         finally:
             let_go(region.module, self.gm)
 

@@ -49,14 +49,12 @@ def proc_status_mib(field_name: str) -> float | None:
 def reset_peak_rss() -> bool:
     """Free what setup dropped (gc, ``malloc_trim``), then restart the kernel's peak-RSS count
     (``VmHWM``) from the current RSS (Linux ``/proc/self/clear_refs`` 5). True if reset."""
-    import ctypes
     import gc
 
+    from ...graph.held import trim_heap
+
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
