@@ -129,16 +129,20 @@ class AutoChoice:
 
 
 def scale_profile(unit: Profile, units: int, batch_size: int) -> Profile:
-    """A minibatch profile of ``units`` units made from a unit profile: node times and
-    activations ``x units`` (the simulator divides by the unit count), parameters unchanged."""
-    from ..profile.types import Profile
-
+    """A minibatch profile of ``units`` units made from a unit profile: node times,
+    activations and saved tensors (the loss's too) ``x units`` (the simulator divides by the
+    unit count), parameters unchanged; the unit's measured step is not the minibatch's (dropped)."""
     if units == 1:
         return unit
+
+    def times(b: int | None) -> int | None:
+        return None if b is None else b * units
+
     nodes = [replace(n, forward_time=n.forward_time * units, backward_time=n.backward_time * units,
-                     activation_bytes=n.activation_bytes * units) for n in unit.nodes]
-    return Profile(unit.model, batch_size, nodes, unit.device, unit.optimizer,
-                   unit.optimizer_state_bytes_per_parameter_byte)
+                     activation_bytes=n.activation_bytes * units, saved_bytes=times(n.saved_bytes))
+             for n in unit.nodes]
+    return replace(unit, batch_size=batch_size, nodes=nodes, loss_saved_bytes=times(unit.loss_saved_bytes),
+                   measured_forward_time=None, measured_backward_time=None, measured_from=None)
 
 
 def microbatch_candidates(spec: Any, workers: int, batch: int, given: int | None) -> list[int]:

@@ -192,8 +192,7 @@ def refine_profile(profile: Profile, stages: Sequence[Sequence[str]], seconds: S
             factor[n] = f
     refined = [replace(n, forward_time=n.forward_time * factor.get(n.name, 1.0),
                        backward_time=n.backward_time * factor.get(n.name, 1.0)) for n in profile.nodes]
-    return Profile(profile.model, profile.batch_size, refined, profile.device, profile.optimizer,
-                   profile.optimizer_state_bytes_per_parameter_byte)
+    return replace(profile, nodes=refined)
 
 
 def refined_plan(profile: Profile, gm: Any, inputs: Sequence[Any], plan_fn: Callable[[Profile], Plan],

@@ -193,7 +193,10 @@ def _plan_for_schedule(args: argparse.Namespace, profile: Any) -> _Planned:
                           max_states=args.max_states, recompute=args.recompute, precision=args.precision)
     cal = None
     if args.calibration is not None:
+        from ..plan.calibrated import slowed
+
         topology, options, cal = _calibrated(args, options)
+        profile = slowed(profile, cal.compute_slowdown)  # as plan_with_calibration: compute as inside a run
     else:
         topology = _topology(args)
     return _Planned(plan(profile, topology, options), None, topology, options, cal)

@@ -25,7 +25,7 @@ import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["HeldTensors", "ValueOf", "STAND_IN_STD", "TRIM_EVERY", "let_go", "trim_heap"]
+__all__ = ["HeldTensors", "ValueOf", "STAND_IN_STD", "TRIM_EVERY", "let_go", "trim_heap", "retarget", "undo_retarget"]
 
 #: The standard deviation of a floating-point stand-in value.
 STAND_IN_STD = 0.02
@@ -63,6 +63,44 @@ def trim_heap() -> None:
         pass
 
 
+Moved = list[tuple[torch.fx.GraphModule, torch.fx.Node, Any, Any]]
+
+
+def retarget(gm: torch.fx.GraphModule, device: torch.device) -> Moved:
+    """Make the operations of ``gm`` (and its GraphModule children) that create tensors on
+    ``meta`` (``torch.export`` writes the example's device into ``arange``, ``full``...)
+    create them on ``device``; what changed, for :func:`undo_retarget`."""
+    meta = torch.device("meta")
+
+    def swap(a: Any) -> Any:
+        return device if isinstance(a, torch.device) and a == meta else a
+
+    moved: Moved = []
+    for module in gm.modules():
+        if not isinstance(module, torch.fx.GraphModule):
+            continue
+        changed = False
+        for n in module.graph.nodes:
+            args = torch.fx.node.map_aggregate(n.args, swap)
+            kwargs = torch.fx.node.map_aggregate(n.kwargs, swap)
+            if args != n.args or kwargs != n.kwargs:
+                moved.append((module, n, n.args, n.kwargs))
+                n.args, n.kwargs = args, kwargs  # type: ignore[assignment]
+                changed = True
+        if changed:
+            module.recompile()
+    return moved
+
+
+def undo_retarget(moved: Moved) -> None:
+    """The nodes :func:`retarget` changed, as they were."""
+    modules = {id(m): m for m, _, _, _ in moved}
+    for _, n, args, kwargs in moved:
+        n.args, n.kwargs = args, kwargs
+    for m in modules.values():
+        m.recompile()
+
+
 def let_go(module: nn.Module, root: nn.Module) -> None:
     """Drop the tensors ``module``'s own submodules hold (those not also ``root``'s: a
     ``call_module`` target it shares stays as it is). A GraphModule built on ``root`` to time
@@ -72,8 +110,8 @@ def let_go(module: nn.Module, root: nn.Module) -> None:
     shared = {id(m) for m in root.modules()}
     for m in module.modules():
         if id(m) not in shared:
-            m._parameters.clear()
-            m._buffers.clear()
+            for name in [n for n, _ in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))]:
+                delattr(m, name)
 
 
 class HeldTensors:
@@ -107,32 +145,9 @@ class HeldTensors:
         self.pinned: set[int] = set()
         self.peak_bytes = 0
         self._freed = 0  # bytes put back since the heap was last trimmed
-        self.moved: list[tuple[torch.fx.GraphModule, torch.fx.Node, Any, Any]] = []
-        if self.original:
-            self._retarget()
-
-    def _retarget(self) -> None:
-        """Operations that create tensors on ``meta`` (``torch.export`` writes the example's
-        device into ``arange``, ``full``...) create them on the timing device instead, until
-        :meth:`restore`."""
-        meta = torch.device("meta")
-
-        def swap(a: Any) -> Any:
-            return self.device if isinstance(a, torch.device) and a == meta else a
-
-        for module in self.gm.modules():
-            if not isinstance(module, torch.fx.GraphModule):
-                continue
-            changed = False
-            for n in module.graph.nodes:
-                args = torch.fx.node.map_aggregate(n.args, swap)
-                kwargs = torch.fx.node.map_aggregate(n.kwargs, swap)
-                if args != n.args or kwargs != n.kwargs:
-                    self.moved.append((module, n, n.args, n.kwargs))
-                    n.args, n.kwargs = args, kwargs  # type: ignore[assignment]
-                    changed = True
-            if changed:
-                module.recompile()
+        # operations the capture wrote the meta device into create their tensors on the
+        # timing device meanwhile (until restore)
+        self.moved = retarget(gm, self.device) if self.original else []
 
     def _names_of(self, n: torch.fx.Node) -> list[str]:
         found: list[str] = []
@@ -234,11 +249,7 @@ class HeldTensors:
         for key in list(self.real):
             self._put_back(key)
         trim_heap()
-        modules = {id(m): m for m, _, _, _ in self.moved}
-        for _, n, args, kwargs in self.moved:
-            n.args, n.kwargs = args, kwargs
-        for m in modules.values():
-            m.recompile()
+        undo_retarget(self.moved)
         self.moved = []
 
     def __enter__(self) -> HeldTensors:

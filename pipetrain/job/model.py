@@ -142,24 +142,9 @@ def retarget_meta(gm: torch.fx.GraphModule) -> None:
     """``torch.export`` writes the example's device into the ops that create tensors
     (``arange(..., device=meta)``): make it the CPU, where a capture of the built model has
     it (for running the graph once its tensors are materialised)."""
-    meta, cpu = torch.device("meta"), torch.device("cpu")
-    for module in gm.modules():
-        if not isinstance(module, torch.fx.GraphModule):
-            continue
-        changed = False
+    from ..graph.held import retarget
 
-        def swap(a: Any) -> Any:
-            nonlocal changed
-            if isinstance(a, torch.device) and a == meta:
-                changed = True
-                return cpu
-            return a
-
-        for n in module.graph.nodes:
-            n.args = torch.fx.node.map_aggregate(n.args, swap)
-            n.kwargs = torch.fx.node.map_aggregate(n.kwargs, swap)  # type: ignore[assignment]
-        if changed:
-            module.recompile()
+    retarget(gm, torch.device("cpu"))
 
 
 def capture_model(bundle: Any, weightless: WeightlessModel | None = None) -> CapturedModel:

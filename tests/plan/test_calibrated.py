@@ -199,6 +199,16 @@ def test_plan_cli_with_calibration(tmp_path: Path) -> None:
         pytest.approx(cal.allreduce_bus_bandwidth)
     bad = subprocess.run(cmd + ["--bandwidth", "1e9"], capture_output=True, text=True, timeout=60)
     assert bad.returncode != 0 and "--calibration sets the bandwidth" in bad.stderr
+    # a calibration whose ranks compute slower together: the CLI plans as plan_with_calibration
+    from dataclasses import replace
+
+    slow = replace(cal, compute_slowdown=1.7)
+    slow.save(cal_path)
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    want = plan_with_calibration(vgg_like(), 2, slow)
+    assert json.loads(out.stdout)["predicted_time"] == pytest.approx(want.predicted_time, rel=1e-12)
+    assert want.predicted_time > d["predicted_time"]
 
 
 def test_bad_calibration_file_is_a_user_error(tmp_path: Path) -> None:
@@ -280,6 +290,24 @@ def test_refined_profile_adds_up_to_the_measured_stage_times() -> None:
                 assert new[n].forward_time / new[n].compute_time == pytest.approx(
                     prof[n].forward_time / prof[n].compute_time)
     assert [n.activation_bytes for n in new.nodes] == [n.activation_bytes for n in prof.nodes]
+
+
+def test_rescaled_profiles_keep_what_the_loss_saves() -> None:
+    """A profile refined by stage times keeps every field but the node times; one scaled from
+    a unit to a minibatch scales its saved tensors (the loss's too) with its activations."""
+    from dataclasses import replace
+
+    from pipetrain.auto.choose import scale_profile
+    from pipetrain.auto.stage_timing import refine_profile
+
+    prof = replace(vgg_like(), loss_saved_bytes=1000, loss_saves_output=True,
+                   nodes=[replace(n, saved_bytes=10 * i) for i, n in enumerate(vgg_like().nodes)])
+    refined = refine_profile(prof, [list(prof.names)], [0.5])
+    assert (refined.loss_saved_bytes, refined.loss_saves_output) == (1000, True)
+    scaled = scale_profile(prof, 4, 4 * prof.batch_size)
+    assert (scaled.loss_saved_bytes, scaled.loss_saves_output, scaled.batch_size) == (4000, True, 4 * prof.batch_size)
+    assert [n.saved_bytes for n in scaled.nodes] == [4 * (n.saved_bytes or 0) for n in prof.nodes]
+    assert [n.activation_bytes for n in scaled.nodes] == [4 * n.activation_bytes for n in prof.nodes]
 
 
 def test_stage_functions_run_each_stage_of_a_captured_model() -> None:
