@@ -159,14 +159,20 @@ class HeldTensors:
 
         if n.op in ("get_attr", "placeholder", "output"):
             return []  # a tensor is held for the nodes that compute with it
+        def add_module(prefix: str, module: nn.Module) -> None:
+            for name, t in [*module.named_parameters(), *module.named_buffers()]:
+                add(f"{prefix}.{name}", t)
+
         for a in n.all_input_nodes:
             if a.op == "get_attr":
                 owner, leaf = _owner(self.gm, str(a.target))
-                add(str(a.target), getattr(owner, leaf, None))
+                value = getattr(owner, leaf, None)
+                if isinstance(value, nn.Module):  # a higher-order op's subgraph: the tensors it reads
+                    add_module(str(a.target), value)
+                else:
+                    add(str(a.target), value)
         if n.op == "call_module":
-            module = self.gm.get_submodule(str(n.target))
-            for name, t in [*module.named_parameters(), *module.named_buffers()]:
-                add(f"{n.target}.{name}", t)
+            add_module(str(n.target), self.gm.get_submodule(str(n.target)))
         return found
 
     @property
