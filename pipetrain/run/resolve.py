@@ -495,16 +495,16 @@ def _boundaries(cfg: TrainConfig, data: DataSpec | None, period: int,
     return cfg, plan, inner_evals(plan, None if cut_evals else eval_every)
 
 
-def _load(cfg: TrainConfig, unit_batch: int, weights: bool = False) -> Any:
-    """The model bundle (weightless unless ``weights``), leaving this process's random state as it was."""
+def _load(cfg: TrainConfig, unit_batch: int) -> Any:
+    """The model bundle, weightless, leaving this process's random state as it was."""
     with torch.random.fork_rng(devices=[]):
-        return load_bundle(cfg, unit_batch, weights=weights, warn=True)
+        return load_bundle(cfg, unit_batch, weights=False, warn=True)
 
 
-def _load_captured(cfg: TrainConfig, unit_batch: int, weights: bool = False) -> tuple[Any, Any]:
-    """The model bundle and its capture (weightless unless ``weights``: a quick profile needs them)."""
+def _load_captured(cfg: TrainConfig, unit_batch: int) -> tuple[Any, Any]:
+    """The model bundle and its capture, weightless (a profile holds a few tensors at a time)."""
     with torch.random.fork_rng(devices=[]):
-        return load_captured(cfg, unit_batch, weights=weights, warn=True)
+        return load_captured(cfg, unit_batch, warn=True)
 
 
 def _load_shipped(cfg: TrainConfig, unit_batch: int) -> tuple[Any, Any, Any]:
