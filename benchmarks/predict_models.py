@@ -36,6 +36,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from hf_dirs import save_pretrained
+
 BATCH = 8
 SEQ = 32
 STEPS = 60
@@ -66,11 +68,7 @@ DESCRIPTION = {
 def write_hf(name: str, directory: str) -> None:
     """``save_pretrained`` of the model ``name`` (weights from seed 0) in a child process."""
     config_cls, model_cls, kwargs = HF_CONFIGS[name]
-    code = ("import json, sys, torch, transformers\n"
-            "torch.manual_seed(0)\n"
-            f"config = transformers.{config_cls}(**json.loads(sys.argv[1]))\n"
-            f"transformers.{model_cls}(config).save_pretrained(sys.argv[2])\n")
-    subprocess.run([sys.executable, "-c", code, json.dumps(kwargs), directory], check=True, capture_output=True)
+    save_pretrained(config_cls, model_cls, kwargs, directory)
 
 
 def model_args(name: str, dirs: dict[str, str]) -> list[str]:

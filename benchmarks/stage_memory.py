@@ -35,6 +35,7 @@ import threading
 import time
 from typing import Any
 
+from hf_dirs import save_pretrained
 from rss import TreeMemory
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -146,11 +147,7 @@ def llama_config(target_bytes: float) -> dict[str, Any]:
 def write_llama(directory: str, target_bytes: float) -> None:
     """``LlamaForCausalLM.save_pretrained(directory)`` of :func:`llama_config`, in a child
     process (so that this one stays small)."""
-    code = ("import json, sys, torch; from transformers import LlamaConfig, LlamaForCausalLM; "
-            "torch.manual_seed(0); LlamaForCausalLM(LlamaConfig(**json.loads(sys.argv[1])))"
-            ".save_pretrained(sys.argv[2])")
-    subprocess.run([sys.executable, "-c", code, json.dumps(llama_config(target_bytes)), directory], check=True,
-                   env=_env(None))
+    save_pretrained("LlamaConfig", "LlamaForCausalLM", llama_config(target_bytes), directory, env=_env(None))
 
 
 def run_rows(model: str, options: dict[str, Any], workers: list[int], args: argparse.Namespace,
