@@ -142,11 +142,13 @@ def _pieces(gm: Any, nodes: Sequence[str], held: HeldTensors) -> list[list[str]]
     seen: set[int] = set()
     size = 0
     for name in nodes:
-        extra = held.nbytes(by_name[name], set(seen))
-        if pieces[-1] and size + extra > cap:
+        own = held.sizes(by_name[name])
+        extra = sum(b for k, b in own.items() if k not in seen)
+        if pieces[-1] and size + extra > cap:  # a new piece: every tensor of the node is new to it
             pieces.append([])
-            seen, size = set(), 0
-        size += held.nbytes(by_name[name], seen)
+            seen, size, extra = set(), 0, sum(own.values())
+        size += extra
+        seen.update(own)
         pieces[-1].append(name)
     return pieces
 

@@ -38,6 +38,10 @@ def _owner(gm: nn.Module, target: str) -> tuple[nn.Module, str]:
     return (gm.get_submodule(prefix) if prefix else gm), leaf
 
 
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def _stand_in(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
     if t.is_floating_point():
         g = torch.Generator().manual_seed(zlib.crc32(name.encode()))
@@ -143,6 +147,7 @@ class HeldTensors:
         #: the storages of the held tensors (kept up to date)
         self.storages: set[int] = set()
         self.pinned: set[int] = set()
+        self.held_bytes = 0  # bytes of the tensors held now
         self.peak_bytes = 0
         self._freed = 0  # bytes put back since the heap was last trimmed
         # operations the capture wrote the meta device into create their tensors on the
@@ -180,21 +185,19 @@ class HeldTensors:
         """Whether any node reads a meta tensor (else there is nothing to hold)."""
         return bool(self.original)
 
-    def nbytes(self, node: torch.fx.Node, seen: set[int] | None = None) -> int:
-        """Bytes of ``node``'s tensors not in ``seen`` (ids; updated)."""
-        total = 0
-        for name in self.targets.get(node, []):
-            t = self.original[name]
-            if seen is not None:
-                if id(t) in seen:
-                    continue
-                seen.add(id(t))
-            total += t.numel() * t.element_size()
-        return total
+    def sizes(self, node: torch.fx.Node) -> dict[int, int]:
+        """``node``'s tensors: id of the meta tensor -> its bytes (a tie once)."""
+        return {id(t): _nbytes(t) for t in (self.original[name] for name in self.targets.get(node, []))}
+
+    def nbytes(self, node: torch.fx.Node, seen: set[int]) -> int:
+        """Bytes of ``node``'s tensors not in ``seen`` (ids; updated with them)."""
+        new = {k: b for k, b in self.sizes(node).items() if k not in seen}
+        seen.update(new)
+        return sum(new.values())
 
     @property
     def total_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in {id(t): t for t in self.original.values()}.values())
+        return sum(_nbytes(t) for t in {id(t): t for t in self.original.values()}.values())
 
     def pin(self, nodes: Iterable[torch.fx.Node]) -> None:
         """Keep ``nodes``' tensors held until :meth:`restore` once held."""
@@ -220,8 +223,8 @@ class HeldTensors:
         for name in names:
             owner, leaf = _owner(self.gm, name)
             setattr(owner, leaf, new)
-        held = sum(t.numel() * t.element_size() for t in self.real.values())
-        self.peak_bytes = max(self.peak_bytes, held)
+        self.held_bytes += _nbytes(new)
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def done(self, node: torch.fx.Node) -> None:
         """``node`` has run (its tensors may go at the next :meth:`release`)."""
@@ -244,7 +247,8 @@ class HeldTensors:
         for name in self.names[key]:
             owner, leaf = _owner(self.gm, name)
             setattr(owner, leaf, self.original[name])
-        return real.numel() * real.element_size()
+        self.held_bytes -= _nbytes(real)
+        return _nbytes(real)
 
     def zero_grad(self) -> None:
         for t in self.real.values():

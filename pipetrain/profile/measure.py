@@ -134,7 +134,7 @@ def check_start(compute: Sequence[torch.fx.Node], activation_bytes: Mapping[str,
     return min(start, len(compute) - 1) if compute else 0
 
 
-def held_check_limit(limit: float | None, held: HeldTensors, share: float = 0.5) -> float | None:
+def held_check_limit(limit: float | None, held: HeldTensors, share: float = HELD_CHECK_SHARE) -> float | None:
     """What the check may hold when the graph's tensors are held on demand: ``limit``, at
     most ``share`` of the model's tensor bytes (at least :data:`HELD_CHECK_FLOOR`)."""
     if limit is None or not held.weightless:
