@@ -16,6 +16,11 @@ For each model, in this order:
    directory, so the choice measures everything here); ``predicted`` is the chosen
    configuration's ``predicted_time_per_minibatch``, ``measured`` the run's steady-state
    time per minibatch (``batch / samples_per_second_steady``), ``error`` ``|p - m| / m``.
+   The run is traced (``--trace``), and each stage's compute in the run (the mean F + B,
+   I + W included, of one unit over its ranks' timed window; STEP apart) is set against the
+   choice's simulated compute of that stage (``stage_unit_seconds``): ``compute in run /
+   predicted`` tells the part of the error that is the stages computing slower or faster
+   than timed from the part that is the schedule, the transfers and the waits.
 3. **Every candidate, fixed** (``--candidates``): the auto run's other configurations, each
    run as ``--schedule S --microbatches m --config C`` with the predicted time the choice gave
    it, so the errors of the configurations it did not choose are seen too.
@@ -94,10 +99,45 @@ def profile_check(margs: list[str], env: dict[str, str]) -> dict[str, Any]:
             "ratio": float(m.group(3))}
 
 
-def train(margs: list[str], extra: list[str], env: dict[str, str]) -> dict[str, Any]:
-    """One ``train --json`` run: its configuration, predicted and measured time per minibatch."""
+COMPUTE_OPS = ("F", "B", "I", "W")
+
+
+def trace_compute(directory: Path) -> dict[int, dict[str, float]]:
+    """Stage -> the mean seconds of one unit's forward (F), backward (B, or I + W) and of one
+    STEP over the stage's ranks, from ``directory/trace.json`` (``pipetrain train --trace``)."""
+    events = [e for e in json.loads((directory / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    total: dict[int, dict[str, float]] = {}
+    count: dict[int, dict[str, int]] = {}
+    for e in events:
+        op, stage = e["args"].get("op"), e["args"].get("stage")
+        if stage is None or op not in (*COMPUTE_OPS, "STEP"):
+            continue
+        kind = "forward" if op == "F" else "step" if op == "STEP" else "backward"
+        t, c = total.setdefault(int(stage), {}), count.setdefault(int(stage), {})
+        t[kind] = t.get(kind, 0.0) + e["dur"] / 1e6
+        if op in ("F", "STEP"):
+            c[kind] = c.get(kind, 0) + 1
+    out: dict[int, dict[str, float]] = {}
+    for stage, t in total.items():
+        units = count[stage].get("forward", 0)
+        if units:
+            out[stage] = {"forward": t.get("forward", 0.0) / units, "backward": t.get("backward", 0.0) / units,
+                          "step": t.get("step", 0.0) / max(1, count[stage].get("step", 0))}
+    return out
+
+
+def compute_ratio(predicted: list[dict[str, float]], measured: dict[int, dict[str, float]]) -> float | None:
+    """The stages' measured forward + backward per unit over the predicted, summed over stages."""
+    pred = sum(p["forward"] + p["backward"] for p in predicted)
+    meas = sum(measured[k]["forward"] + measured[k]["backward"] for k in range(len(predicted)) if k in measured)
+    return meas / pred if pred > 0 and len(measured) == len(predicted) else None
+
+
+def train(margs: list[str], extra: list[str], env: dict[str, str], trace: Path | None = None) -> dict[str, Any]:
+    """One ``train --json`` run: its configuration, predicted and measured time per minibatch
+    (and, traced into ``trace``, each stage's compute in the run against the prediction's)."""
     out = _pipetrain(["train", *margs, "--batch-size", str(BATCH), "--workers", "2", "--steps", str(STEPS),
-                      "--json", *extra], env)
+                      "--json", *extra, *(["--trace", str(trace)] if trace is not None else [])], env)
     if out.returncode != 0:
         return {"status": "failed", "message": out.stderr.strip().splitlines()[-1:]}
     d = json.loads(out.stdout)
@@ -110,13 +150,20 @@ def train(margs: list[str], extra: list[str], env: dict[str, str]) -> dict[str, 
         row["candidates"] = [{k: c[k] for k in ("schedule", "microbatches", "config", "predicted_time_per_minibatch")}
                              for c in d["auto"]["candidates"] if c.get("predicted_time_per_minibatch")]
         row["choice_seconds"] = d["auto"].get("seconds")
+        predicted_stages = d["auto"].get("stage_unit_seconds") or []
+        if trace is not None and predicted_stages:
+            measured_stages = trace_compute(trace)
+            row["stage_unit_seconds"] = {"predicted": predicted_stages,
+                                         "measured": [measured_stages.get(k) for k in range(len(predicted_stages))]}
+            row["compute_ratio"] = compute_ratio(predicted_stages, measured_stages)
     return row
 
 
-def one_round(name: str, dirs: dict[str, str], env: dict[str, str], candidates: bool) -> dict[str, Any]:
+def one_round(name: str, dirs: dict[str, str], env: dict[str, str], candidates: bool,
+              trace: Path | None = None) -> dict[str, Any]:
     margs = model_args(name, dirs)
     out: dict[str, Any] = {"profile": profile_check(margs, env)}
-    out["auto"] = auto = train(margs, ["--schedule", "auto"], env)
+    out["auto"] = auto = train(margs, ["--schedule", "auto"], env, trace)
     if candidates and auto.get("status") == "ok":
         fixed = []
         for c in auto.get("candidates", []):
@@ -135,8 +182,8 @@ def _fmt(x: float | None, scale: float = 1e3) -> str:
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> str:
-    lines = ["| model | round | profile / own step | auto chose | predicted ms | measured ms | error |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model | round | profile / own step | auto chose | predicted ms | measured ms | error "
+             "| compute in run / predicted |", "|---|---|---|---|---|---|---|---|"]
     for name, rounds in results.items():
         for i, r in enumerate(rounds, 1):
             p, a = r["profile"], r["auto"]
@@ -144,8 +191,9 @@ def table(results: dict[str, list[dict[str, Any]]]) -> str:
                 else "failed"
             chose = f"{a['schedule']} m={a['microbatches']} `{a['config']}`" if a["status"] == "ok" else "failed"
             err = f"{a['error']:.2f}" if a.get("error") is not None else "-"
+            comp = f"{a['compute_ratio']:.2f}" if a.get("compute_ratio") is not None else "-"
             lines.append(f"| {DESCRIPTION[name]} | {i} | {ratio} | {chose} | {_fmt(a.get('predicted_s'))} | "
-                         f"{_fmt(a.get('measured_s'))} | {err} |")
+                         f"{_fmt(a.get('measured_s'))} | {err} | {comp} |")
     return "\n".join(lines)
 
 
@@ -187,11 +235,12 @@ def main(argv: list[str] | None = None) -> None:
                 if args.pythonpath:
                     env["PYTHONPATH"] = os.pathsep.join(p for p in (args.pythonpath, env.get("PYTHONPATH")) if p)
                     env["PREDICT_CWD"] = args.pythonpath
-                results[n].append(one_round(n, dirs, env, args.candidates))
+                results[n].append(one_round(n, dirs, env, args.candidates, Path(tmp) / f"trace-{n}-{r}"))
                 a = results[n][-1]["auto"]
                 print(f"{n} round {r + 1}: profile {results[n][-1]['profile'].get('ratio')}, auto "
                       f"{a.get('schedule')} m={a.get('microbatches')} {a.get('config')}: predicted "
-                      f"{_fmt(a.get('predicted_s'))} ms, measured {_fmt(a.get('measured_s'))} ms", flush=True)
+                      f"{_fmt(a.get('predicted_s'))} ms, measured {_fmt(a.get('measured_s'))} ms, compute in run "
+                      f"/ predicted {a.get('compute_ratio')}", flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     print(table(results))

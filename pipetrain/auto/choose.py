@@ -78,6 +78,8 @@ class Candidate:
     plan: Plan | None
     predicted_time: float | None          # seconds per minibatch (steady state); None: not runnable
     why_not: str | None = None            # why it could not be planned or run, when so
+    #: each stage's simulated per-unit compute (``predict_run``'s ``stage_unit_seconds``)
+    stage_unit_seconds: tuple[Mapping[str, float], ...] = ()
 
     @property
     def config(self) -> str:
@@ -85,7 +87,8 @@ class Candidate:
 
     def to_json(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "microbatches": self.microbatches, "config": self.config,
-                "predicted_time_per_minibatch": self.predicted_time, "why_not": self.why_not}
+                "predicted_time_per_minibatch": self.predicted_time, "why_not": self.why_not,
+                "stage_unit_seconds": [dict(c) for c in self.stage_unit_seconds]}
 
     def line(self) -> str:
         if self.predicted_time is None:
@@ -125,6 +128,7 @@ class AutoChoice:
     def to_json(self) -> dict[str, Any]:
         return {"schedule": self.best.schedule, "microbatches": self.best.microbatches, "config": self.best.config,
                 "predicted_time_per_minibatch": self.best.predicted_time, "costs": self.costs,
+                "stage_unit_seconds": [dict(c) for c in self.best.stage_unit_seconds],
                 "seconds": self.seconds, "candidates": [c.to_json() for c in self.candidates]}
 
 
@@ -341,7 +345,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
         pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
                            step_time=step_time)
-        return Candidate(name, m, plan, float(pred["time_per_minibatch"]))
+        return Candidate(name, m, plan, float(pred["time_per_minibatch"]), None, tuple(pred["stage_unit_seconds"]))
 
     # Every timing here (profiles, stages as a whole, optimizer steps) at the workers' threads.
     with profiler.num_threads(threads):
@@ -422,7 +426,7 @@ def choose_on_profile(profile: Profile, workers: int, calibration: Any, *, micro
         if why is not None:
             return Candidate(name, m, plan, None, why)
         pred = predict_run(plan, profile, cal, name, microbatches=m)
-        return Candidate(name, m, plan, float(pred["time_per_minibatch"]))
+        return Candidate(name, m, plan, float(pred["time_per_minibatch"]), None, tuple(pred["stage_unit_seconds"]))
 
     out = _each(names, workers, batch, microbatches, evaluate)
     return AutoChoice(_best(out, "pass --schedule instead, or raise --memory"), out, costs, time.monotonic() - t0,

@@ -83,7 +83,10 @@ def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *
     ``profile.batch_size`` is the minibatch; a microbatched schedule cuts it into
     ``microbatches`` units (default: the schedule's own default for the plan's replicas).
     Returns ``{"time_per_minibatch", "samples_per_second", "bytes_per_sample" (by kind and
-    total), "schedule", "replicas", "microbatches", "steps"}``.
+    total), "schedule", "replicas", "microbatches", "steps", "stage_unit_seconds"}``;
+    ``stage_unit_seconds`` is each stage's simulated compute, ``{"forward", "backward",
+    "step"}`` seconds of one unit's forward and backward (I + W) and of one STEP, what a
+    measured trace's F, B (I + W) and STEP are compared with.
     """
     if not profile.batch_size:
         raise PlanError(f"profile of {profile.model!r} has no batch size; profile with one to predict a run")
@@ -103,4 +106,6 @@ def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *
     t = sim.time_per_minibatch
     return {"schedule": spec.name, "replicas": reps, "microbatches": units, "steps": steps,
             "time_per_minibatch": t, "samples_per_second": profile.batch_size / t if t > 0 else None,
-            "bytes_per_sample": bytes_per_sample(traffic, float(profile.batch_size) * steps)}
+            "bytes_per_sample": bytes_per_sample(traffic, float(profile.batch_size) * steps),
+            "stage_unit_seconds": [{"forward": c.forward_time, "backward": c.backward_time, "step": c.step_time}
+                                   for c in costs.stages]}

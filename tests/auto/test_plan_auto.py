@@ -54,6 +54,10 @@ def test_each_prediction_is_the_simulators_and_the_choice_the_fastest(workers: i
         assert get_schedule(c.schedule).ranks_needed(c.plan.replicas, {}) <= workers
         again = predict_run(c.plan, prof, cal, c.schedule, microbatches=c.microbatches)
         assert again["time_per_minibatch"] == pytest.approx(c.predicted_time, rel=1e-12)
+        # the candidate carries the simulated per-stage costs into --json's "auto"
+        assert [dict(x) for x in c.stage_unit_seconds] == again["stage_unit_seconds"]
+        assert c.to_json()["stage_unit_seconds"] == again["stage_unit_seconds"]
+        assert len(c.stage_unit_seconds) == c.plan.num_stages
     assert choice.best.predicted_time == min(c.predicted_time for c in runnable if c.predicted_time is not None)
 
 

@@ -139,6 +139,10 @@ def test_simulated_dp_minibatch_pays_one_measured_allreduce() -> None:
     assert got["bytes_per_sample"]["allreduce"] == pytest.approx(2 * P / prof.batch_size)
     costs = calibrated_costs(dp, prof, cal, units=2)
     assert costs.allreduce_time(0, [0, 1]) == pytest.approx(cal.allreduce.seconds(P), rel=1e-12)
+    # each stage's simulated compute per unit, what a trace's F, B and STEP are set against
+    (stage,) = got["stage_unit_seconds"]
+    assert stage["forward"] + stage["backward"] == pytest.approx(C / 2, rel=1e-9)
+    assert stage["forward"] == pytest.approx(sum(n.forward_time for n in prof.nodes) / 2, rel=1e-9)
 
 
 def test_compute_slowdown_scales_every_compute_time_of_the_prediction() -> None:
@@ -155,6 +159,9 @@ def test_compute_slowdown_scales_every_compute_time_of_the_prediction() -> None:
     P = sum(n.parameter_bytes for n in prof.nodes)
     got = predict_run(dp, prof, slow, "dp", steps=6, step_time=0.01)
     assert got["time_per_minibatch"] == pytest.approx(1.5 * (C / 2 + 0.01) + cal.allreduce.seconds(P), rel=1e-9)
+    (stage,) = got["stage_unit_seconds"]  # the per-stage figures are the slowed ones the simulator ran
+    assert stage["forward"] + stage["backward"] == pytest.approx(1.5 * C / 2, rel=1e-9)
+    assert stage["step"] == pytest.approx(1.5 * 0.01, rel=1e-9)
     pipeline = plan_with_calibration(prof, 2, slow, PlanOptions(use_all_workers=True))
     same = plan_with_calibration(prof, 2, cal, PlanOptions(use_all_workers=True))
     assert pipeline.extra["calibration"]["compute_slowdown"] == 1.5
