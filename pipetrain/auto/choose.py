@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from ..profile.types import Profile
 
 __all__ = ["Candidate", "AutoChoice", "choose", "choose_on_profile", "microbatch_candidates", "scale_profile",
-           "sample_shapes", "STEP_SAMPLE_ELEMENTS"]
+           "sample_shapes", "stage_parameters", "STEP_SAMPLE_ELEMENTS"]
 
 #: A function giving the captured model and one unit of inputs at ``samples`` samples.
 ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
@@ -175,11 +175,7 @@ class _StepTimer:
         key = tuple(nodes)
         if key in self._cache:
             return self._cache[key]
-        names = set(nodes)
-        shapes = [p.shape for n in gm.graph.nodes if n.name in names and n.op == "call_module"
-                  for p in gm.get_submodule(str(n.target)).parameters(recurse=False)]
-        shapes += [gm.get_parameter(str(n.target)).shape for n in gm.graph.nodes
-                   if n.name in names and n.op == "get_attr" and _is_parameter(gm, str(n.target))]
+        shapes = [p.shape for p in stage_parameters(gm, nodes)]
         self._cache[key] = self.measured.step_seconds(shapes, lambda: self._scaled(shapes)) if shapes else 0.0
         return self._cache[key]
 
@@ -243,6 +239,26 @@ def sample_shapes(shapes: Sequence[Any], limit: int) -> tuple[list[tuple[int, ..
                 out.append((left,))
             break
     return out, total
+
+
+def stage_parameters(gm: Any, nodes: Sequence[str]) -> list[Any]:
+    """The parameters a stage made of ``nodes`` updates at its STEP, each once: its
+    ``call_module`` nodes' own and those of the ``get_attr`` nodes it reads. A plan's stages
+    name the profile's nodes, and a ``torch.export`` capture's ``get_attr`` nodes are folded
+    into the nodes reading them (``CapturedModel.folded_attributes``), so they are found
+    through the nodes' inputs, not among the stage's names."""
+    names = set(nodes)
+    out: dict[str, Any] = {}
+    for n in gm.graph.nodes:
+        if n.name not in names:
+            continue
+        if n.op == "call_module":
+            for k, p in gm.get_submodule(str(n.target)).named_parameters(recurse=False):
+                out.setdefault(f"{n.target}.{k}", p)
+        for a in (n, *n.all_input_nodes):
+            if a.op == "get_attr" and _is_parameter(gm, str(a.target)):
+                out.setdefault(str(a.target), gm.get_parameter(str(a.target)))
+    return list(out.values())
 
 
 def _is_parameter(gm: Any, target: str) -> bool:

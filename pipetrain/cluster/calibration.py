@@ -27,7 +27,10 @@ SI units (seconds, bytes, bits/s where the name says bits)::
 
 ``samples[].seconds`` is the fastest of ``reps`` timings of one message (half a ping-pong
 round trip for p2p; one all-reduce for allreduce), ``median_seconds`` their median; the fits
-use the fastest (on a shared machine the slow ones measure the CPU scheduler, not the link).
+use the median (:func:`fit_samples`): a run's steady state is made of typical transfers, and
+on a machine whose cores the ranks share a typical one includes the CPU scheduler's delays
+(the 2-core loopback here: an 8 MiB all-reduce's median 1.7-2.6x its fastest, and a data
+parallel run's STEP waits as long as the median). Samples without a median use the fastest.
 
 ``compute_slowdown`` is how much longer a worker's computation takes while every rank of a
 host computes at once than alone (the probe's training step, :mod:`pipetrain.cluster.gloo_probe`):
@@ -47,7 +50,7 @@ from typing import Any
 from .errors import CalibrationError
 
 __all__ = ["CALIBRATION_FORMAT", "CALIBRATION_VERSION", "LinkFit", "Sample", "Calibration", "fit_link",
-           "load_calibration"]
+           "fit_samples", "load_calibration"]
 
 CALIBRATION_FORMAT = "pipetrain-calibration"
 CALIBRATION_VERSION = 1
@@ -106,6 +109,14 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
         raise CalibrationError(f"measured times do not grow with message size (largest: {pts[-1][0]:.0f} bytes in "
                                f"{pts[-1][1]:.3g} s, shortest time: {latency:.3g} s); measure larger messages")
     return LinkFit(latency_seconds=latency, bandwidth_bytes_per_second=sxx / sxy)
+
+
+def fit_samples(samples: Sequence[Sample], kind: str) -> LinkFit:
+    """:func:`fit_link` of the ``kind`` samples' typical times: each size's median (its fastest
+    where a sample has no median), the transfers a run's steady state is made of."""
+    mine = [s for s in samples if s.kind == kind]
+    return fit_link([s.bytes for s in mine],
+                    [s.median_seconds if s.median_seconds is not None else s.seconds for s in mine])
 
 
 @dataclass(frozen=True)

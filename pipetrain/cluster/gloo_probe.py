@@ -52,8 +52,8 @@ def reps_for(expected_seconds: float) -> int:
 
 
 def _sample(kind: str, nbytes: int, times: list[float]) -> dict[str, Any]:
-    """The fastest and the median of ``times``: on a machine shared with other work the slow
-    repetitions measure the CPU scheduler (a process woken a 4 ms tick late), not the link."""
+    """The fastest and the median of ``times`` (the calibration fits the medians: what a run's
+    transfers typically take, the CPU scheduler's delays on shared cores included)."""
     ts = sorted(times)
     return {"kind": kind, "bytes": nbytes, "seconds": ts[0], "reps": len(ts), "median_seconds": ts[len(ts) // 2]}
 

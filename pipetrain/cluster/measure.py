@@ -4,7 +4,7 @@
 :class:`~pipetrain.cluster.netns.EmulatedCluster` (gloo bound to the host's interface), each
 running the script :mod:`pipetrain.cluster.gloo_probe` (ping-pong and all-reduce timings of
 growing sizes; see there), and fits :class:`~pipetrain.cluster.calibration.Calibration` to
-rank 0's samples with :func:`~pipetrain.cluster.calibration.fit_link`. A run takes a few
+rank 0's samples with :func:`~pipetrain.cluster.calibration.fit_samples` (their medians). A run takes a few
 seconds whatever the link speed: sizes stop growing once one message takes longer than
 ``max_message_seconds``.
 """
@@ -21,7 +21,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from . import gloo_probe
-from .calibration import Calibration, Sample, fit_link
+from .calibration import Calibration, Sample, fit_samples
 from .errors import CalibrationError, ClusterError
 from .netns import EmulatedCluster
 
@@ -104,11 +104,8 @@ def calibrate(cluster: EmulatedCluster | None = None, ranks: int = 2, max_messag
     samples = [Sample(**s) for s in result["samples"]]
     compute = result["compute"]  # below 1: the machine's load fell between the phases
     slowdown = max(1.0, compute["together_seconds"] / compute["alone_seconds"])
-    p2p = [s for s in samples if s.kind == "p2p"]
-    ar = [s for s in samples if s.kind == "allreduce"]
     return Calibration(
-        p2p=fit_link([s.bytes for s in p2p], [s.seconds for s in p2p]),
-        allreduce=fit_link([s.bytes for s in ar], [s.seconds for s in ar]),
+        p2p=fit_samples(samples, "p2p"), allreduce=fit_samples(samples, "allreduce"),
         allreduce_ranks=ranks, hosts=1 if cluster is None else cluster.hosts, ranks=ranks,
         where="loopback" if cluster is None else "emulated",
         bandwidth_limit_bits_per_second=None if cluster is None else cluster.bandwidth_bits,

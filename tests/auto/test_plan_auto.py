@@ -118,3 +118,28 @@ def test_a_named_schedule_keeps_pipedreams_plan_and_bad_combinations_are_one_lin
     bad = cli(tmp_path, vgg_like(), 20 * MBIT, "--workers", "2", "--schedule", "auto", "--microbatches", "0")
     assert bad.returncode == 2 and "--microbatches) must be an integer >= 1, got 0" in bad.stderr
     assert "Traceback" not in bad.stderr
+
+
+def test_a_stage_step_covers_the_parameters_an_exported_capture_reads_through_get_attr() -> None:
+    """A ``torch.export`` capture's weights are ``get_attr`` nodes folded into the nodes that read
+    them, so a plan's stages never name them: each stage's STEP is still timed over the
+    parameters its nodes read (before, the choice predicted a STEP of 0 s for every Hugging Face
+    model), a tied weight once per stage that reads it."""
+    import torch
+
+    from pipetrain.auto.choose import stage_parameters
+    from pipetrain.graph import capture
+    from tests.graph.test_capture import tiny_hf_gpt2
+
+    model = tiny_hf_gpt2()
+    cm = capture(model, torch.randint(0, 100, (2, 8)))
+    assert cm.method == "export"
+    nodes = [n.name for n in cm.graph]
+    assert not set(nodes) & {n.name for n in cm.gm.graph.nodes if n.op == "get_attr"}  # folded
+    whole = stage_parameters(cm.gm, nodes)
+    assert sum(p.numel() for p in whole) == sum(p.numel() for p in model.parameters())  # the tie counted once
+    half = len(nodes) // 2
+    first, second = stage_parameters(cm.gm, nodes[:half]), stage_parameters(cm.gm, nodes[half:])
+    assert first and second
+    ids = {id(p) for p in first} | {id(p) for p in second}
+    assert ids == {id(p) for p in whole}

@@ -18,6 +18,7 @@ from pipetrain.cluster.calibration import (
     LinkFit,
     Sample,
     fit_link,
+    fit_samples,
     load_calibration,
 )
 from pipetrain.cluster.delay import MessageDelay, message_delay
@@ -147,6 +148,24 @@ def test_fit_ignores_a_token_bucket_burst_and_a_slow_small_size() -> None:
     fit = fit_link(sizes, times)
     assert fit.latency_seconds == pytest.approx(6e-5)
     assert fit.bandwidth_bytes_per_second == pytest.approx(bw, rel=0.05)
+
+
+def test_the_calibration_fits_each_sizes_median_the_transfers_a_run_is_made_of() -> None:
+    """The fastest repetitions say what the link can do; a run's steady state pays the typical
+    ones (on shared cores, the scheduler's delays too): the fit is of the medians, of the
+    fastest only where a sample has no median, and of the kind asked for."""
+    lat, bw = 1e-4, 2.5e9
+    sizes = [4, 4096, 1 << 20, 4 << 20, 16 << 20]
+    samples = [Sample("allreduce", n, lat + n / bw, 15, 2 * (lat + n / bw)) for n in sizes]
+    samples += [Sample("p2p", n, lat + n / (2 * bw), 15, None) for n in sizes]
+    ar = fit_samples(samples, "allreduce")
+    assert ar.latency_seconds == pytest.approx(2 * (lat + 4 / bw))
+    assert ar.bandwidth_bytes_per_second == pytest.approx(bw / 2, rel=1e-4)  # the medians: twice as slow
+    assert ar.seconds(8 << 20) == pytest.approx(2 * (lat + (8 << 20) / bw), rel=1e-3)
+    p2p = fit_samples(samples, "p2p")  # no medians: the fastest
+    assert p2p.bandwidth_bytes_per_second == pytest.approx(2 * bw, rel=1e-4)
+    with pytest.raises(CalibrationError, match="2 or more message sizes"):
+        fit_samples(samples[:1], "allreduce")
 
 
 def test_fit_errors() -> None:
