@@ -50,7 +50,7 @@ from typing import Any
 from .errors import CalibrationError
 
 __all__ = ["CALIBRATION_FORMAT", "CALIBRATION_VERSION", "LinkFit", "Sample", "Calibration", "fit_link",
-           "fit_samples", "load_calibration"]
+           "fit_samples", "FIT_STATISTIC", "load_calibration"]
 
 CALIBRATION_FORMAT = "pipetrain-calibration"
 CALIBRATION_VERSION = 1
@@ -109,6 +109,11 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
         raise CalibrationError(f"measured times do not grow with message size (largest: {pts[-1][0]:.0f} bytes in "
                                f"{pts[-1][1]:.3g} s, shortest time: {latency:.3g} s); measure larger messages")
     return LinkFit(latency_seconds=latency, bandwidth_bytes_per_second=sxx / sxy)
+
+
+#: Which of a size's repetitions the fits use (a measurement cache keys calibrations by it, so
+#: one fitted otherwise is measured again).
+FIT_STATISTIC = "median"
 
 
 def fit_samples(samples: Sequence[Sample], kind: str) -> LinkFit:

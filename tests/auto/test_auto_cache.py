@@ -126,6 +126,13 @@ def test_the_loopback_calibration_is_measured_once_per_rank_count(monkeypatch: p
     measured = AutoMeasurements(MeasurementCache(), None, {})
     measured.calibration(3, lambda: make_cal(1000 * MBIT, ranks=3))   # another rank count: its own entry
     assert measured.cache is not None and measured.cache.misses == 1
+    # a calibration fitted on another statistic (the fastest, before this rule): measured again
+    import pipetrain.cluster.calibration as calibration
+
+    monkeypatch.setattr(calibration, "FIT_STATISTIC", "fastest")
+    other = MeasurementCache()
+    AutoMeasurements(other, None, {}).calibration(3, lambda: make_cal(1000 * MBIT, ranks=3))
+    assert other.misses == 1
 
 
 def test_without_a_model_key_only_the_calibration_is_kept(private_cache: Path, monkeypatch: pytest.MonkeyPatch
