@@ -38,10 +38,12 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
 from hf_dirs import save_pretrained
+from trace_summary import load
 
 BATCH = 8
 SEQ = 32
@@ -104,26 +106,22 @@ COMPUTE_OPS = ("F", "B", "I", "W")
 
 def trace_compute(directory: Path) -> dict[int, dict[str, float]]:
     """Stage -> the mean seconds of one unit's forward (F), backward (B, or I + W) and of one
-    STEP over the stage's ranks, from ``directory/trace.json`` (``pipetrain train --trace``)."""
-    events = [e for e in json.loads((directory / "trace.json").read_text())["traceEvents"] if e.get("ph") == "X"]
-    total: dict[int, dict[str, float]] = {}
-    count: dict[int, dict[str, int]] = {}
-    for e in events:
-        op, stage = e["args"].get("op"), e["args"].get("stage")
-        if stage is None or op not in (*COMPUTE_OPS, "STEP"):
-            continue
-        kind = "forward" if op == "F" else "step" if op == "STEP" else "backward"
-        t, c = total.setdefault(int(stage), {}), count.setdefault(int(stage), {})
-        t[kind] = t.get(kind, 0.0) + e["dur"] / 1e6
-        if op in ("F", "STEP"):
-            c[kind] = c.get(kind, 0) + 1
-    out: dict[int, dict[str, float]] = {}
-    for stage, t in total.items():
-        units = count[stage].get("forward", 0)
-        if units:
-            out[stage] = {"forward": t.get("forward", 0.0) / units, "backward": t.get("backward", 0.0) / units,
-                          "step": t.get("step", 0.0) / max(1, count[stage].get("step", 0))}
-    return out
+    STEP over the stage's ranks, from ``directory/trace.json`` (``pipetrain train --trace``,
+    read by :func:`trace_summary.load`)."""
+    seconds: dict[int, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    counts: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for events in load(str(directory)).values():
+        for e in events:
+            if e["stage"] is None or e["op"] not in (*COMPUTE_OPS, "STEP"):
+                continue
+            kind = "forward" if e["op"] == "F" else "step" if e["op"] == "STEP" else "backward"
+            seconds[e["stage"]][kind] += (e["end"] - e["start"]) / 1e3
+            if e["op"] in ("F", "STEP"):
+                counts[e["stage"]][kind] += 1
+    return {int(stage): {"forward": t["forward"] / counts[stage]["forward"],
+                         "backward": t["backward"] / counts[stage]["forward"],
+                         "step": t["step"] / max(1, counts[stage]["step"])}
+            for stage, t in seconds.items() if counts[stage]["forward"]}
 
 
 def compute_ratio(predicted: list[dict[str, float]], measured: dict[int, dict[str, float]]) -> float | None:

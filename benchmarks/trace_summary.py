@@ -22,13 +22,14 @@ COLORS = {"F": "#4c72b0", "B": "#55a868", "STEP": "#c44e52", "RECV_F": "#8172b2"
 
 
 def load(directory: str) -> dict[int, list[dict[str, Any]]]:
-    """Rank -> its measured actions (name, op, start/end in ms), sorted by start."""
+    """Rank -> its measured actions (name, op, unit, stage, start/end in ms), sorted by start."""
     d = json.loads((Path(directory) / "trace.json").read_text())
     by: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in d["traceEvents"]:
         if e.get("ph") != "X":
             continue
         by[int(e["pid"])].append({"name": e["name"], "op": e["args"]["op"], "unit": e["args"].get("unit"),
+                                  "stage": e["args"].get("stage"),
                                   "start": e["ts"] / 1e3, "end": (e["ts"] + e["dur"]) / 1e3})
     return {r: sorted(v, key=lambda x: x["start"]) for r, v in sorted(by.items())}
 

@@ -361,7 +361,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
         pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
                            step_time=step_time)
-        return Candidate(name, m, plan, float(pred["time_per_minibatch"]), None, tuple(pred["stage_unit_seconds"]))
+        return Candidate(name, m, plan, float(pred["time_per_minibatch"]),
+                         stage_unit_seconds=tuple(pred["stage_unit_seconds"]))
 
     # Every timing here (profiles, stages as a whole, optimizer steps) at the workers' threads.
     with profiler.num_threads(threads):
@@ -442,7 +443,8 @@ def choose_on_profile(profile: Profile, workers: int, calibration: Any, *, micro
         if why is not None:
             return Candidate(name, m, plan, None, why)
         pred = predict_run(plan, profile, cal, name, microbatches=m)
-        return Candidate(name, m, plan, float(pred["time_per_minibatch"]), None, tuple(pred["stage_unit_seconds"]))
+        return Candidate(name, m, plan, float(pred["time_per_minibatch"]),
+                         stage_unit_seconds=tuple(pred["stage_unit_seconds"]))
 
     out = _each(names, workers, batch, microbatches, evaluate)
     return AutoChoice(_best(out, "pass --schedule instead, or raise --memory"), out, costs, time.monotonic() - t0,
