@@ -28,7 +28,9 @@ measured costs and returns the fastest:
    once (a stage's time as a whole differs from the sum of its nodes'). Data parallelism's one
    stage, the whole model, is timed as a whole the same way.
 4. **Predict.** The schedule simulated on the plan (:func:`pipetrain.simulate.calibrated.predict_run`:
-   the same simulator and steady-state definition as ``pipetrain simulate`` and the runtime).
+   the same simulator and steady-state definition as ``pipetrain simulate`` and the runtime;
+   tensors tied across the plan's stages, :func:`plan_ties`, make their holders' STEPs meet
+   for the gradients' all-reduce, as the runtime's exchange does).
    The fastest prediction wins, except that predictions within :data:`TIE_TOLERANCE` (5%)
    of the fastest count as a tie, below the simulator's measured error; a tie goes to data
    parallelism, then a synchronous schedule, then an asynchronous one (stale weights cost
@@ -61,9 +63,10 @@ if TYPE_CHECKING:
     from ..graph.capture import CapturedModel
     from ..profile.cache import MeasurementCache
     from ..profile.types import Profile
+    from ..schedule.traffic import TiedBuffer
 
 __all__ = ["Candidate", "AutoChoice", "choose", "choose_on_profile", "microbatch_candidates", "scale_profile",
-           "sample_shapes", "stage_parameters", "STEP_SAMPLE_ELEMENTS"]
+           "sample_shapes", "stage_parameters", "plan_ties", "STEP_SAMPLE_ELEMENTS"]
 
 #: A function giving the captured model and one unit of inputs at ``samples`` samples.
 ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
@@ -261,6 +264,19 @@ def stage_parameters(gm: Any, nodes: Sequence[str]) -> list[Any]:
     return list(out.values())
 
 
+def plan_ties(gm: Any, plan: Plan) -> tuple[TiedBuffer, ...]:
+    """The tensors of ``gm`` tied across ``plan``'s stages, as the runtime's exchange holds
+    them (:func:`pipetrain.stages.tied.tied_buffers` of the partition the workers build): their
+    holders' STEPs meet for each one's all-reduce, which the prediction simulates."""
+    from ..stages.partition import partition_graph
+    from ..stages.tied import tied_buffers
+
+    if plan.num_stages < 2:
+        return ()
+    part = partition_graph(gm, [list(s.nodes) for s in plan.stages])
+    return tuple(tied_buffers(dict(gm.named_parameters(remove_duplicate=False)), part.tied))
+
+
 def _is_parameter(gm: Any, target: str) -> bool:
     try:
         gm.get_parameter(target)
@@ -360,7 +376,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             return Candidate(name, m, plan, None, why)
         step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
         pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
-                           step_time=step_time)
+                           step_time=step_time, tied=plan_ties(captured.gm, plan))
         return Candidate(name, m, plan, float(pred["time_per_minibatch"]),
                          stage_unit_seconds=tuple(pred["stage_unit_seconds"]))
 

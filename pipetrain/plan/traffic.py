@@ -203,8 +203,10 @@ def plan_stage_param_bytes(stages: Plan | Sequence[Stage] | Sequence[Sequence[st
 
 
 def plan_traffic(plan: Plan, profile: Profile, schedule: Schedule, unit_samples: int | None = None, *,
-                 global_clip: bool = False, wire_scale: float = 1.0) -> dict[int, Traffic]:
-    """:func:`predict_traffic` of ``schedule`` with the cut and parameter sizes of ``plan`` from ``profile``.
+                 global_clip: bool = False, wire_scale: float = 1.0,
+                 tied: Sequence[TiedBuffer] = ()) -> dict[int, Traffic]:
+    """:func:`predict_traffic` of ``schedule`` with the cut and parameter sizes of ``plan`` from ``profile``
+    (``tied``: the tensors tied across its stages, as :func:`predict_traffic` takes them).
 
     ``unit_samples`` defaults to ``profile.batch_size // schedule.microbatches`` (the profile's
     minibatch cut into the schedule's units; the whole minibatch for pipedream).
@@ -217,4 +219,4 @@ def plan_traffic(plan: Plan, profile: Profile, schedule: Schedule, unit_samples:
             raise PlanError(f"profile of {profile.model!r} has no batch size; pass unit_samples")
         unit_samples = max(1, profile.batch_size // max(1, schedule.microbatches))
     return predict_traffic(schedule, plan_cut_bytes(plan, profile, unit_samples, wire_scale),
-                           plan_stage_param_bytes(plan, profile), global_clip=global_clip)
+                           plan_stage_param_bytes(plan, profile), global_clip=global_clip, tied=tied)

@@ -23,7 +23,7 @@ from ..plan.calibrated import calibrated_topology, ring_step_latency, slowed
 from ..plan.traffic import plan_traffic
 from ..plan.types import Plan
 from ..schedule.registry import get_schedule
-from ..schedule.traffic import bytes_per_sample
+from ..schedule.traffic import TiedBuffer, bytes_per_sample
 from .costs import StageCosts
 from .engine import simulate
 
@@ -42,21 +42,23 @@ class CalibratedStageCosts(StageCosts):
     allreduce_bandwidth: float = float("inf")
     allreduce_step_latency: float = 0.0
 
-    def allreduce_time(self, stage: int, ranks: Sequence[int]) -> float:
+    def collective_time(self, nbytes: float, ranks: Sequence[int]) -> float:
         r = len(ranks)
-        nbytes = self.stages[stage].parameter_bytes
         if r <= 1 or nbytes <= 0:
             return 0.0
         return 2 * (r - 1) / r * nbytes / self.allreduce_bandwidth + 2 * (r - 1) * self.allreduce_step_latency
 
 
 def calibrated_costs(plan: Plan, profile: Profile, cal: Calibration, units: int = 1,
-                     step_time: float | Sequence[float] = 0.0) -> CalibratedStageCosts:
+                     step_time: float | Sequence[float] = 0.0,
+                     tied: Sequence[TiedBuffer] = ()) -> CalibratedStageCosts:
     """The simulator's costs of ``plan`` from ``profile`` on the calibrated network.
 
     Transfers take ``p2p latency + bytes / p2p bandwidth`` (every pair of ranks on its own
     full-duplex link); all-reduces the calibrated ring time (module docstring).
     ``step_time``: seconds of one optimizer step, for every stage or one per stage.
+    ``tied``: tensors tied across stages (:attr:`StageCosts.tied`), all-reduced at the
+    calibrated ring time.
     """
     if isinstance(step_time, (int, float)):
         steps = [float(step_time)] * plan.num_stages
@@ -71,13 +73,14 @@ def calibrated_costs(plan: Plan, profile: Profile, cal: Calibration, units: int 
     slow = cal.compute_slowdown
     return CalibratedStageCosts(stages=[replace(c, step_time=x * slow) for c, x in zip(base.stages, steps)],
                                 bandwidth=base.bandwidth, latency=base.latency, topology=base.topology,
-                                extra=dict(base.extra), allreduce_bandwidth=cal.allreduce_bus_bandwidth,
+                                extra=dict(base.extra), tied=tuple(tied),
+                                allreduce_bandwidth=cal.allreduce_bus_bandwidth,
                                 allreduce_step_latency=ring_step_latency(cal))
 
 
 def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *, microbatches: int | None = None,
                 steps: int = 8, options: Mapping[str, Any] | None = None,
-                step_time: float | Sequence[float] = 0.0) -> dict[str, Any]:
+                step_time: float | Sequence[float] = 0.0, tied: Sequence[TiedBuffer] = ()) -> dict[str, Any]:
     """Simulate ``schedule`` on ``plan`` with calibrated costs: time per minibatch and bytes.
 
     ``profile.batch_size`` is the minibatch; a microbatched schedule cuts it into
@@ -86,7 +89,9 @@ def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *
     total), "schedule", "replicas", "microbatches", "steps", "stage_unit_seconds"}``;
     ``stage_unit_seconds`` is each stage's simulated compute, ``{"forward", "backward",
     "step"}`` seconds of one unit's forward and backward (I + W) and of one STEP, what a
-    measured trace's F, B (I + W) and STEP are compared with.
+    measured trace's F, B (I + W) and STEP are compared with. ``tied``: tensors tied across
+    the plan's stages (:func:`pipetrain.stages.tied.tied_buffers`): their holders' STEPs meet
+    for the gradients' all-reduce, in the time and in the bytes.
     """
     if not profile.batch_size:
         raise PlanError(f"profile of {profile.model!r} has no batch size; profile with one to predict a run")
@@ -100,9 +105,9 @@ def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *
     steps = max(period, -(-steps // period) * period)  # pipedream: a multiple of every replica count
     sched = spec.build(reps, microbatches, steps, **opts)
     units = max(1, int(sched.microbatches))
-    costs = calibrated_costs(plan, profile, cal, units=units, step_time=step_time)
+    costs = calibrated_costs(plan, profile, cal, units=units, step_time=step_time, tied=tied)
     sim = simulate(sched, costs)
-    traffic = plan_traffic(plan, profile, sched, max(1, profile.batch_size // units))
+    traffic = plan_traffic(plan, profile, sched, max(1, profile.batch_size // units), tied=tied)
     t = sim.time_per_minibatch
     return {"schedule": spec.name, "replicas": reps, "microbatches": units, "steps": steps,
             "time_per_minibatch": t, "samples_per_second": profile.batch_size / t if t > 0 else None,

@@ -26,6 +26,7 @@ from ..plan.stage_memory import loss_held_bytes, node_held_bytes
 from ..plan.types import Plan, Topology
 from ..profile.types import Profile
 from ..schedule.action import Op
+from ..schedule.traffic import TiedBuffer
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,10 @@ class StageCosts:
             whose group holds both (ranks laid out in order over the levels).
         lookahead: actions ahead of its RECV a receive buffer is posted (the runtime's
             ``--lookahead``): the memory model holds a buffer from then until the unit's backward ends.
+        tied: tensors tied across stages (:class:`~pipetrain.schedule.traffic.TiedBuffer`,
+            from :func:`pipetrain.stages.tied.tied_buffers`): the STEP of each holding stage
+            all-reduces the tensor's gradient over the ranks of every holding stage
+            (:mod:`pipetrain.runtime.engine.tied_sync`), so those STEPs meet.
     """
 
     stages: list[StageCost]
@@ -109,6 +114,7 @@ class StageCosts:
     topology: Topology | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     lookahead: int = 8
+    tied: tuple[TiedBuffer, ...] = ()
 
     def __len__(self) -> int:
         return len(self.stages)
@@ -137,13 +143,16 @@ class StageCosts:
         return self.latency + nbytes / self.link_bandwidth(src, dst)
 
     def allreduce_time(self, stage: int, ranks: Sequence[int]) -> float:
-        """Ring all-reduce of the stage's weights over ``ranks``.
+        """Ring all-reduce of the stage's weights over ``ranks`` (:meth:`collective_time`)."""
+        return self.collective_time(self.stages[stage].parameter_bytes, ranks)
+
+    def collective_time(self, nbytes: float, ranks: Sequence[int]) -> float:
+        """Ring all-reduce of ``nbytes`` over ``ranks``.
 
         Each rank sends and receives ``2 (r-1)/r`` of the bytes over the slowest ring link,
         in ``2 (r-1)`` latency-bound steps.
         """
         r = len(ranks)
-        nbytes = self.stages[stage].parameter_bytes
         if r <= 1 or nbytes <= 0:
             return 0.0
         ring = list(ranks) + [ranks[0]]
@@ -176,7 +185,7 @@ class StageCosts:
     @staticmethod
     def from_plan(plan: Plan, profile: Profile, topology: Topology | None = None, units: int = 1,
                   step_time: float = 0.0, latency: float = 0.0,
-                  fused_linear: bool = True) -> StageCosts:
+                  fused_linear: bool = True, tied: Sequence[TiedBuffer] = ()) -> StageCosts:
         """Costs of the plan's stages from the profile, for units of ``1/units`` minibatch.
 
         Args:
@@ -189,6 +198,7 @@ class StageCosts:
             fused_linear: the runtime's ``--fused-grads`` (default): the gradients of ``Linear``
                 layers (and of every weight of a replicated stage) live in persistent buffers;
                 the others exist from a group's first backward to its STEP.
+            tied: tensors tied across the plan's stages (:attr:`StageCosts.tied`).
         """
         _check_plan_inputs(plan, profile, units, step_time, latency)
         S = plan.num_stages
@@ -223,7 +233,7 @@ class StageCosts:
                 gradient_bytes=persistent, transient_gradient_bytes=transient,
             ))
         topo = topology if topology is not None else plan.topology
-        return StageCosts(stages, latency=latency, topology=topo,
+        return StageCosts(stages, latency=latency, topology=topo, tied=tuple(tied),
                           extra={"units": units, "batch_size": profile.batch_size, "model": profile.model})
 
     def with_step_time(self, step_time: float) -> StageCosts:

@@ -10,13 +10,19 @@ Every worker runs its list in order. Semantics (the same as the runtime's):
   waits until then.
 - An ALLREDUCE starts when every replica of the stage reaches it and takes the ring
   all-reduce time of the stage's weights; every replica leaves it together.
+- A STEP of a stage holding a tensor tied across stages (``costs.tied``) first takes part
+  in one all-reduce per tie, in the ties' order (:mod:`pipetrain.runtime.engine.tied_sync`):
+  each starts when every rank of every holding stage has reached its STEP of the same
+  minibatch, takes the ring time of the tensor's bytes, and all leave it together; then the
+  stage's own step. The STEP's event runs from the rank's arrival to the end of its step.
 
 Events are processed in time order from a heap; if some worker can never proceed the
 simulation raises the validator's "schedule deadlocks at ..." error with the marked grid.
 
 Derived figures (see docs/schedules.md, "Simulator"):
 
-- busy time: time in F/B/I/W/STEP; idle time = makespan - busy (waits, all-reduces).
+- busy time: time in F/B/I/W/STEP (a tied STEP's exchanges included, as the runtime's trace
+  records them); idle time = makespan - busy (waits, all-reduces).
 - ``time_per_minibatch`` (and ``throughput = 1 / time_per_minibatch``): the one steady-state
   definition shared with the runtime (:func:`pipetrain.schedule.events.steady_state_time_per_minibatch`):
   the slowest (rank, stage)'s interval between its first and last STEP per minibatch; with
@@ -134,6 +140,35 @@ def simulate(schedule: Schedule, costs: StageCosts) -> SimResult:
     return _summarise(schedule, costs, _EventLoop(schedule, costs).run())
 
 
+def _tie_exchanges(schedule: Schedule, costs: StageCosts) -> dict[int, list[tuple[int, tuple[int, ...], float]]]:
+    """stage -> the ties it holds, in order: (tie index, ranks of every holding stage, bytes).
+
+    Raises ScheduleError for a tie naming a stage the schedule lacks, and for one rank
+    holding two stages that hold ties (their STEPs would enter the ties' all-reduces in an
+    order that differs between ranks; the runtime refuses it, ``stages.tied.check_ties``).
+    """
+    S = schedule.num_stages
+    out: dict[int, list[tuple[int, tuple[int, ...], float]]] = {}
+    for i, tb in enumerate(costs.tied):
+        stages = sorted(set(tb.stages))
+        if not all(isinstance(k, int) and 0 <= k < S for k in stages) or not tb.nbytes >= 0:
+            raise ScheduleError(f"tied tensor {i} needs bytes >= 0 and stages in 0..{S - 1}, got {tb}; pass "
+                                f"stages.tied.tied_buffers of the plan that built the schedule")
+        if len(stages) < 2:
+            continue
+        group = tuple(sorted({r for k in stages for r in schedule.stage_ranks[k]}))
+        for k in stages:
+            out.setdefault(k, []).append((i, group, float(tb.nbytes)))
+    holder: dict[int, int] = {}
+    for k in sorted(out):
+        for r in schedule.stage_ranks[k]:
+            if holder.setdefault(r, k) != k:
+                raise ScheduleError(f"rank {r} holds stages {holder[r]} and {k}, which both hold tied tensors; "
+                                    f"tied tensors need their holders on different ranks (one stage per rank), "
+                                    f"or put the tied readers in one stage")
+    return out
+
+
 def _check_inputs(schedule: Schedule, costs: StageCosts) -> None:
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"simulate() needs a Schedule, got {type(schedule).__name__}; "
@@ -174,6 +209,11 @@ class _EventLoop:
         self.recv_waiting: dict[TransferKey, int] = {}
         self.link_free: dict[tuple[int, int], float] = defaultdict(float)
         self.ar_ready: dict[tuple[int, int], set[int]] = defaultdict(set)
+        self.ties = _tie_exchanges(schedule, costs)
+        # a rank inside a tied STEP: (exchanges done, arrival at the STEP); members of a tie's
+        # all-reduce waiting for the rest, by (tie index, minibatch)
+        self.in_step: dict[int, tuple[int, float]] = {}
+        self.tie_ready: dict[tuple[int, int], set[int]] = defaultdict(set)
         self.heap: list[tuple[float, int, int]] = [(0.0, r, r) for r in range(W) if self.lists[r]]
         heapq.heapify(self.heap)
         self.seq = W
@@ -211,8 +251,35 @@ class _EventLoop:
         self.push(r)
 
     def _compute(self, r: int, a: Action) -> None:
+        if a.op is Op.STEP and a.stage in self.ties:
+            self._tied_step(r, a)
+            return
         t = self.clock[r]
         self._done(r, a, t, t + self.costs[a.stage].compute_time(a.op))
+
+    def _tied_step(self, r: int, a: Action) -> None:
+        """STEP of a stage holding ties: each tie's all-reduce starts when every rank of its
+        group has reached it and all leave it together; then the stage's step."""
+        done, arrived = self.in_step.get(r, (0, self.clock[r]))
+        exchanges = self.ties[a.stage]
+        while done < len(exchanges):
+            tie, group, nbytes = exchanges[done]
+            ready = self.tie_ready[(tie, a.mb)]
+            ready.add(r)
+            self.in_step[r] = (done, arrived)
+            if not all(g in ready for g in group):
+                return  # the last member to arrive moves every member on
+            end = max(self.clock[g] for g in group) + self.costs.collective_time(nbytes, group)
+            del self.tie_ready[(tie, a.mb)]
+            for g in group:
+                g_done, g_arrived = self.in_step[g]
+                self.in_step[g] = (g_done + 1, g_arrived)
+                self.clock[g] = end
+                if g != r:
+                    self.push(g)
+            done += 1
+        del self.in_step[r]
+        self._done(r, a, arrived, self.clock[r] + self.costs[a.stage].step_time)
 
     def _send(self, r: int, a: Action) -> None:
         """The transfer starts when the link is free and arrives ``latency + bytes/bandwidth``

@@ -27,11 +27,12 @@ def simulated_traffic(schedule: Schedule, costs: StageCosts) -> dict[int, Traffi
     """rank -> :class:`Traffic` of ``schedule`` with the per-unit sizes of ``costs``.
 
     Cut ``k`` carries ``costs[k].activation_send_bytes`` forward and
-    ``costs[k+1].grad_send_bytes`` back; stage ``k`` all-reduces ``costs[k].parameter_bytes``.
+    ``costs[k+1].grad_send_bytes`` back; stage ``k`` all-reduces ``costs[k].parameter_bytes``;
+    every STEP of a stage holding a tie (``costs.tied``) all-reduces the tied tensor.
     """
     S = schedule.num_stages
     cuts = [CutBytes(costs[k].activation_send_bytes, costs[k + 1].grad_send_bytes) for k in range(S - 1)]
-    return predict_traffic(schedule, cuts, [costs[k].parameter_bytes for k in range(S)])
+    return predict_traffic(schedule, cuts, [costs[k].parameter_bytes for k in range(S)], tied=costs.tied)
 
 
 def simulated_samples(schedule: Schedule, costs: StageCosts) -> float | None:

@@ -143,3 +143,25 @@ def test_a_stage_step_covers_the_parameters_an_exported_capture_reads_through_ge
     assert first and second
     ids = {id(p) for p in first} | {id(p) for p in second}
     assert ids == {id(p) for p in whole}
+
+
+def test_the_prediction_holds_a_weight_tied_across_stages_as_the_runtime_exchanges_it() -> None:
+    """GPT-2 ties its token embedding and its LM head: cut between them, the two stages each
+    hold a copy whose gradients the runtime all-reduces at every STEP (stages/tied.py);
+    ``plan_ties`` gives the prediction that tensor and its holders, and nothing for a plan
+    that keeps every reader in one stage."""
+    import torch
+
+    from pipetrain.auto.choose import plan_ties
+    from pipetrain.graph import capture
+    from pipetrain.plan.types import Plan, Stage
+    from tests.graph.test_capture import tiny_hf_gpt2
+
+    model = tiny_hf_gpt2()
+    cm = capture(model, torch.randint(0, 100, (2, 8)))
+    nodes = [n.name for n in cm.graph]
+    half = len(nodes) // 2
+    ties = plan_ties(cm.gm, Plan([Stage(nodes[:half]), Stage(nodes[half:])]))
+    wte = model.get_input_embeddings().weight
+    assert [(t.nbytes, t.stages) for t in ties] == [(wte.numel() * wte.element_size(), (0, 1))]
+    assert plan_ties(cm.gm, Plan([Stage(nodes)])) == ()
