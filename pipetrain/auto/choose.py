@@ -167,8 +167,9 @@ def microbatch_candidates(spec: Any, workers: int, batch: int, given: int | None
 
 class _StepTimer:
     """Seconds of one STEP over the parameters of a stage's nodes as the runtime runs it (median
-    of 5): the gradients' mean (a division), the ``torch.optim`` step, and the numerics guard's
-    read of every weight after the update (one sum each, runtime/guards/numerics.py)."""
+    of 5): the gradients' mean (a division), the numerics guard's check of the gradients, the
+    ``torch.optim`` step, and the guard's check of the weights after it (one fused norm each,
+    runtime/guards/numerics.py)."""
 
     def __init__(self, optimizer: str, momentum: float, measured: AutoMeasurements) -> None:
         self.optimizer, self.momentum, self.measured = optimizer, momentum, measured
@@ -206,10 +207,11 @@ class _StepTimer:
 
         def once() -> None:
             torch._foreach_div_(grads, 1.0)
+            with torch.no_grad():
+                torch.nn.utils.get_total_norm(grads, foreach=True)
             opt.step()
             with torch.no_grad():
-                for p in ps:
-                    p.sum()
+                torch.nn.utils.get_total_norm(ps, foreach=True)
 
         once()
         runs = []

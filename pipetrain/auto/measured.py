@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from ..profile.cache import MeasurementCache
     from ..profile.types import Profile
 
-__all__ = ["AutoMeasurements"]
+__all__ = ["AutoMeasurements", "STEP_TIMED"]
 
 
 class AutoMeasurements:
@@ -83,12 +83,18 @@ class AutoMeasurements:
         return seconds
 
     def step_seconds(self, shapes: Sequence[Sequence[int]], make: Callable[[], float]) -> float:
-        """Seconds of one optimizer step over parameters of ``shapes``."""
+        """Seconds of one STEP over parameters of ``shapes`` (what :data:`STEP_TIMED` names)."""
         if self.cache is None:
             return make()
-        value, _ = self.cache.fetch("optimizer-step", {"shapes": [list(s) for s in shapes], **self.settings},
+        value, _ = self.cache.fetch("optimizer-step", {"shapes": [list(s) for s in shapes], "timed": STEP_TIMED,
+                                                       **self.settings},
                                     make, float, _float)
         return value
+
+
+#: What one timed STEP holds (``auto.choose._StepTimer``), part of its cache key: a cached
+#: time of a STEP timed otherwise is measured again.
+STEP_TIMED = "mean, guard on gradients, optimizer, guard on weights (fused norms)"
 
 
 def _float(v: Any) -> float:

@@ -164,3 +164,21 @@ def test_skip_nonfinite_is_refused_for_asynchronous_schedules() -> None:
                                             r"asynchronous schedule 'pipedream' cannot"):
         train(cfg("div_net", schedule="pipedream", microbatches=None, skip_nonfinite=True))
     assert wait_no_children() == []
+
+
+def test_the_fused_check_finds_one_bad_element_among_many_tensors_and_not_an_overflowing_norm() -> None:
+    from pipetrain.runtime.guards.numerics import _all_finite, first_nonfinite
+
+    ts = {f"w{i}": torch.randn(64, 32) for i in range(20)}
+    ts["b"] = torch.randn(7, dtype=torch.bfloat16)
+    assert _all_finite(ts.values()) and first_nonfinite(ts) is None
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        ts["w13"].view(-1)[100] = bad
+        assert not _all_finite(ts.values())
+        found = first_nonfinite(ts)
+        assert found is not None and found[0] == "w13"
+        ts["w13"].view(-1)[100] = 0.0
+    big = [torch.full((4,), 3e38), torch.full((4,), -3e38)]  # finite, but their 2-norm overflows
+    assert _all_finite(big)
+    assert not _all_finite([torch.randn(3), torch.tensor([1j, complex("nan")])])
+    assert _all_finite([torch.arange(5), None, 3.0])

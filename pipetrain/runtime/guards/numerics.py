@@ -35,9 +35,10 @@ What happens then:
   run's result counts the skipped steps (``RunResult.skipped_steps``). Asynchronous schedules
   step their stages at different times, so no agreement point exists: refused.
 
-Cost when nothing is wrong: one reduction (a sum, :func:`_finite`) over each forward's
-outputs, each backward's returned gradients, and each step's gradients and weights, about 7%
-of a step of the 16x1024 MLP on one CPU core; re-running is only done when a check fires.
+Cost when nothing is wrong: one fused norm (:func:`_all_finite`) over each forward's
+outputs, each backward's returned gradients, and each step's gradients and weights; on
+BERT's 74 weights (2.3 M elements) 0.4 ms where one sum per tensor took 1.0 ms. Re-running
+is only done when a check fires.
 
 Minibatch numbering: ``step`` is minibatches done before the offending minibatch, counted
 from the run's start (``UnitData.step_of``).
@@ -113,7 +114,27 @@ def _finite(t: Any) -> bool:
 
 
 def _all_finite(values: Iterable[Any]) -> bool:
-    return all(_finite(v) for v in values)
+    """Whether every element of every tensor in ``values`` is finite: one fused 2-norm per
+    dtype and device (``torch.nn.utils.get_total_norm``, foreach kernels), which is non-finite
+    iff an element is NaN or Inf or the norm overflows; only then each tensor is tested
+    (:func:`_finite`). A stage's dozens of gradients and weights cost one call, not one
+    reduction and a Python round trip each."""
+    groups: dict[tuple[torch.dtype, torch.device], list[Tensor]] = {}
+    for v in values:
+        if isinstance(v, Tensor) and v.is_floating_point() and v.numel():
+            groups.setdefault((v.dtype, v.device), []).append(v.detach())
+        elif not _finite(v):  # complex and other values, one at a time
+            return False
+    for ts in groups.values():
+        if len(ts) == 1:
+            if not _finite(ts[0]):
+                return False
+            continue
+        with torch.no_grad():
+            total = torch.nn.utils.get_total_norm(ts, foreach=True)
+        if not bool(torch.isfinite(total)) and not all(_finite(t) for t in ts):
+            return False
+    return True
 
 
 def _first_bad(t: Tensor) -> float:
@@ -123,6 +144,8 @@ def _first_bad(t: Tensor) -> float:
 
 def first_nonfinite(tensors: Mapping[str, Tensor | None]) -> tuple[str, float] | None:
     """The first ``(name, a bad value)`` among ``tensors`` holding a NaN or Inf, else ``None``."""
+    if _all_finite(tensors.values()):
+        return None
     for name, t in tensors.items():
         if t is not None and not _finite(t):
             return name, _first_bad(t)
