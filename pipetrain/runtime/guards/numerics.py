@@ -10,6 +10,10 @@ called at four points of every stage:
    and weights (:func:`locate_forward`, an fx :class:`~torch.fx.Interpreter` over the stage's
    GraphModule) to name the first node whose output is non-finite (or the loss function, when
    every node is finite). A non-finite input came from an upstream stage, which found it first.
+   Infinities by design are not findings: a node given an infinite constant (an attention
+   mask's ``masked_fill(mask, -inf)``) and what its infinities flow into, while no NaN
+   appears; a stage whose output carries them (a cut right after the mask) is then checked
+   for NaN only.
 2. after each backward (``after_backward``): when the received output gradients were finite,
    the forward was finite, but a gradient (an input's or a weight's) is not, the unit's
    forward and backward are re-run recording every node output's gradient
@@ -178,14 +182,31 @@ class _Found(Exception):
         self.node, self.value = node, value
 
 
+def _has_nan(values: Iterable[Any]) -> bool:
+    return any(isinstance(t, Tensor) and (t.is_floating_point() or t.is_complex()) and bool(torch.isnan(t).any())
+               for t in values)
+
+
+def _writes_infinity(n: torch.fx.Node) -> bool:
+    """Whether the node is given an infinite constant: an attention mask's
+    ``masked_fill(mask, -inf)``, ``full(..., -inf)``, ``where(c, x, -inf)``."""
+    return any(isinstance(a, float) and math.isinf(a) for a in pytree.tree_leaves((n.args, n.kwargs)))
+
+
 class _Stepper(torch.fx.Interpreter):
     """Runs a GraphModule node by node; stops at the first node whose output is non-finite
-    (``stop``), or records every node's output (``keep``)."""
+    (``stop``), or records every node's output (``keep``).
+
+    Infinities by design are not findings: a node given an infinite constant
+    (:func:`_writes_infinity`, an attention mask) and the nodes its infinities flow into, as
+    long as their outputs hold no NaN (a softmax over the mask is finite again). They are
+    listed in ``by_design``."""
 
     def __init__(self, gm: torch.fx.GraphModule, stop: bool) -> None:
         super().__init__(gm, garbage_collect_values=stop)
         self.stop = stop
         self.outputs: dict[torch.fx.Node, Any] = {}
+        self.by_design: set[torch.fx.Node] = set()
 
     def run_node(self, n: torch.fx.Node) -> Any:
         out = super().run_node(n)
@@ -193,9 +214,14 @@ class _Stepper(torch.fx.Interpreter):
             if not self.stop:
                 self.outputs[n] = out
             else:
-                for t in _leaves(out):
-                    if not _finite(t):
-                        raise _Found(n, _first_bad(t))
+                leaves = _leaves(out)
+                if not _all_finite(leaves):
+                    if not _has_nan(leaves) and (_writes_infinity(n) or any(a in self.by_design
+                                                                            for a in n.all_input_nodes)):
+                        self.by_design.add(n)
+                        return out
+                    bad = next(t for t in leaves if not _finite(t))
+                    raise _Found(n, _first_bad(bad))
         return out
 
 
@@ -203,7 +229,8 @@ class _Stepper(torch.fx.Interpreter):
 def locate_forward(gm: torch.fx.GraphModule, params: Mapping[str, Tensor], inputs: Sequence[Any]) -> str | None:
     """The first node of ``gm`` whose output is non-finite when run on ``inputs`` with
     ``params`` (bound by name, as ``functional_call`` does), described, with a bad value;
-    ``None`` when every node is finite."""
+    ``None`` when every node is finite, infinities by design apart (an attention mask's,
+    :class:`_Stepper`)."""
     with _reparametrize_module(gm, dict(params)):
         try:
             _Stepper(gm, stop=True).run(*inputs)
@@ -291,6 +318,7 @@ class NumericsGuard(EngineHooks):
         self.skipped: list[int] = []          # minibatches skipped (--skip-nonfinite), in order
         self.findings: list[Finding] = []     # origins found on this rank since the last agreement
         self._bad_units: set[tuple[int, int]] = set()  # (stage, unit) whose forward was already non-finite
+        self._masks: set[int] = set()  # stages whose outputs carry infinities by design (an attention mask)
         self._inputs: dict[tuple[int, int], tuple[Any, ...]] = {}
         self._checked: set[int] = set()
         self._passed: dict[int, int] = {}  # stage -> units of its open group whose gradients passed (2.)
@@ -341,12 +369,19 @@ class NumericsGuard(EngineHooks):
             st.sink.probe = torch.zeros((), device=executor.comm.device)
         if _all_finite(outputs):
             return
+        if a.stage in self._masks and not _has_nan(outputs):
+            return  # the stage's outputs carry a mask's infinities (found below)
         self._bad_units.add(key)
         if not _all_finite(_leaves(list(inputs))):
             return  # it came from upstream, which found it first
         sm = st.stage
         step = executor.data.step_of(a.mb)
         where = locate_forward(sm.module, params, inputs)
+        if where is None and not sm.is_last and not _has_nan(outputs):
+            # every infinity is by design: a cut after an attention mask sends it on
+            self._bad_units.discard(key)
+            self._masks.add(a.stage)
+            return
         if where is None and sm.is_last:
             where = "the loss function gives a non-finite loss although every node's output is finite"
             what = "loss"
