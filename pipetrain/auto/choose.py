@@ -315,7 +315,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     Raises:
         PlanError: when no candidate can run (one line naming why for each).
     """
-    from ..errors import PlanError
+    from ..errors import PipetrainError, PlanError
     from ..plan.api import PlanOptions
     from ..plan.calibrated import plan_with_calibration, resolve_calibration
     from ..plan.cuts import split_by_config
@@ -376,9 +376,13 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             why = accept(Candidate(name, m, plan, None), captured)
         if why is not None:
             return Candidate(name, m, plan, None, why)
+        try:
+            tied = plan_ties(captured.gm, plan)
+        except PipetrainError as e:  # the workers could not partition the graph so
+            return Candidate(name, m, plan, None, str(e))
         step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
         pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
-                           step_time=step_time, tied=plan_ties(captured.gm, plan))
+                           step_time=step_time, tied=tied)
         return Candidate(name, m, plan, float(pred["time_per_minibatch"]),
                          stage_unit_seconds=tuple(pred["stage_unit_seconds"]))
 
