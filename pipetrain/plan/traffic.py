@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import PlanError
 from ..schedule.action import Op, Schedule
-from ..schedule.traffic import CLIP_NORM_BYTES, CutBytes, ReduceBuffer, TiedBuffer, Traffic
+from ..schedule.traffic import CLIP_NORM_BYTES, CutBytes, ReduceBuffer, TiedBuffer, Traffic, tie_ranks
 
 if TYPE_CHECKING:
     from ..profile.types import Profile
@@ -96,7 +96,7 @@ def predict_traffic(schedule: Schedule, cut_bytes: Sequence[CutBytes],
     ties: dict[int, list[tuple[float, int]]] = {}
     for tb in tied:
         if len(set(tb.stages)) > 1:
-            group = len({r for k in tb.stages for r in schedule.stage_ranks[k]})
+            group = len(tie_ranks(tb.stages, schedule.stage_ranks))
             for k in sorted(set(tb.stages)):
                 ties.setdefault(k, []).append((tb.nbytes, group))
     world = schedule.num_workers

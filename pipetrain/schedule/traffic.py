@@ -55,7 +55,7 @@ from typing import Any
 from ..errors import PlanError
 
 __all__ = [
-    "KINDS", "FLOAT32_BYTES", "CLIP_NORM_BYTES", "Traffic", "CutBytes", "ReduceBuffer", "TiedBuffer",
+    "KINDS", "FLOAT32_BYTES", "CLIP_NORM_BYTES", "Traffic", "CutBytes", "ReduceBuffer", "TiedBuffer", "tie_ranks",
     "ring_allreduce_bytes", "total_traffic", "bytes_per_sample", "traffic_report",
 ]
 
@@ -214,6 +214,13 @@ class TiedBuffer:
 
     nbytes: float
     stages: tuple[int, ...]
+
+
+def tie_ranks(stages: Iterable[int], stage_ranks: Sequence[Sequence[int]]) -> tuple[int, ...]:
+    """The ranks of a tie's exchange, ascending: every replica of every stage holding it
+    (``stage_ranks[k]``, ``Schedule.stage_ranks``); the runtime's group
+    (``runtime/engine/tied_sync.py``) and the predictions' (traffic, simulator) are this one."""
+    return tuple(sorted({r for k in stages for r in stage_ranks[k]}))
 
 
 def total_traffic(traffic: Mapping[int, Traffic] | Iterable[Traffic]) -> Traffic:

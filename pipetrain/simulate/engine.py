@@ -65,7 +65,7 @@ from ..schedule.action import Action, Op, Schedule
 from ..schedule.events import Event, steady_state_time_per_minibatch
 from ..schedule.layout import lcm
 from ..schedule.registry import SCHEDULES
-from ..schedule.traffic import Traffic
+from ..schedule.traffic import Traffic, tie_ranks
 from ..schedule.validate import TransferKey, deadlock_error, transfer_key
 from .costs import StageCosts
 from .traffic import simulated_samples, simulated_traffic, traffic_summary
@@ -156,7 +156,7 @@ def _tie_exchanges(schedule: Schedule, costs: StageCosts) -> dict[int, list[tupl
                                 f"stages.tied.tied_buffers of the plan that built the schedule")
         if len(stages) < 2:
             continue
-        group = tuple(sorted({r for k in stages for r in schedule.stage_ranks[k]}))
+        group = tie_ranks(stages, schedule.stage_ranks)
         for k in stages:
             out.setdefault(k, []).append((i, group, float(tb.nbytes)))
     holder: dict[int, int] = {}

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ...schedule.traffic import Traffic
+from ...schedule.traffic import Traffic, tie_ranks
 from ...stages.partition import StageModule
 from ...stages.tied import TiedParameter
 from .optim import sum_of_squares
@@ -83,7 +83,7 @@ class TiedSync:
         for tie in ties:
             if not (tie.across_stages and tie.trainable):
                 continue
-            ranks = tuple(sorted({r for k in tie.stages for r in stage_ranks[k]}))
+            ranks = tie_ranks(tie.stages, stage_ranks)
             if ranks not in groups:  # every rank creates every group, in the ties' order
                 groups[ranks] = (dist.new_group(ranks=list(ranks), timeout=timedelta(seconds=timeout))
                                  if distributed and len(ranks) > 1 else None)
