@@ -423,18 +423,22 @@ class WeightlessModel:
         self.kept = {}
 
     def initial_value(self, name: str) -> Tensor | None:
-        """The value tensor ``name`` starts from where it is known without the init pass (the
-        source's, else a buffer kept at the build), or ``None``."""
-        if self.source is not None:
-            value = self.source.read(name)
-            if value is not None:
-                return value
-        if not self.kept:
-            return None
+        """The value tensor ``name`` starts from where it is known without the init pass, or
+        ``None``: the source's under any name of the tensor (a tie: ``lm_head.weight`` is
+        stored as ``shared.weight``), else the value kept at the build when nothing wrote the
+        tensor after it was created (a kept ``nn.Linear`` weight is ``torch.empty``'s memory
+        until ``reset_parameters`` runs: not a value)."""
         if not self._named:
             self._named = dict(_tensors(self.model))
         t = self._named.get(name)
-        return None if t is None else self.kept.get(id(t))
+        if self.source is not None:
+            names = [name] if t is None else self._names_of().get(id(t), [name])
+            value = self._read(t, names) if t is not None else self.source.read(name)
+            if value is not None:
+                return value
+        if t is None or id(t) not in self.kept or self.construction.get(id(t)):
+            return None
+        return self.kept[id(t)]
 
     def _hold(self, tensors: Iterable[Tensor], holders: Sequence[nn.Module]) -> None:
         """CPU storage for meta ``tensors``, in place (or, for those that cannot be swapped, by

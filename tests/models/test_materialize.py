@@ -250,3 +250,54 @@ def test_workers_train_from_the_same_weights() -> None:
         assert result.state is not None
         for k, v in base.items():
             assert torch.allclose(result.state[k], v, rtol=0, atol=1e-12), (config, k)
+
+
+def test_known_values_are_the_models_values_or_none(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the launcher times a weightless capture with (``initial_value``): a value made
+    with the tensor (``scale``) is kept; a tensor an init method writes after its creation
+    (``fc.weight``: ``torch.empty`` until ``reset_parameters``) has no known value, never the
+    empty tensor's memory (NaN and denormals there made stage timings 2-10x slow)."""
+    spec = _factory(tmp_path, monkeypatch, "mat_known_values", """
+        import torch
+        from torch import nn
+
+        class Scaled(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.fc = nn.Linear(8, 8)
+                self.scale = nn.Parameter(torch.full((8,), 3.0))
+
+            def forward(self, x):
+                return self.fc(x) * self.scale
+
+        def make():
+            return Scaled(), torch.randn(2, 8)
+    """)
+    _, w = load_weightless(spec, SEED)
+    assert torch.equal(w.initial_value("scale"), torch.full((8,), 3.0))
+    assert w.initial_value("fc.weight") is None and w.initial_value("fc.bias") is None
+
+
+def test_a_tied_tensors_known_value_is_read_under_the_name_its_file_holds(tmp_path: Path) -> None:
+    """T5 saves its tied embedding once, as ``shared.weight``; the graph reads it as
+    ``lm_head.weight``: the value is the file's under either name."""
+    pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    from pipetrain.job.model import load_captured
+
+    config = T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2, dropout_rate=0.0,
+                      decoder_start_token_id=0, pad_token_id=0)
+    torch.manual_seed(3)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path / "t5")
+    stored = load_file(tmp_path / "t5" / "model.safetensors")
+    assert "lm_head.weight" not in stored
+    _, captured = load_captured(TrainConfig.of(model=f"hf:{tmp_path / 't5'}", model_options={"seq_len": 8}), 2)
+    assert captured.tensor_values is not None
+    for name in ("lm_head.weight", "shared.weight", "encoder.embed_tokens.weight"):
+        got = captured.tensor_values(name)
+        assert got is not None and torch.equal(got, stored["shared.weight"]), name
+    for name, _ in captured.gm.named_parameters():
+        got = captured.tensor_values(name)
+        assert got is None or bool(torch.isfinite(got).all()), name
