@@ -9,7 +9,7 @@ The layer rule (docs/design.md): a module may import only from its own layer or 
     errors < graph, schedule, models, checkpoint, cluster < profile, data, metrics, stages
            < plan < simulate < job, auto < runtime < run < cli
 
-and inside ``runtime``: process < engine < guards < checkpoints < worker, single, reference
+and inside ``runtime``: process < engine < guards < checkpoints < worker, single, reference, rehearsal
 < launch (the package ``__init__`` re-exports, so it sits on top). Every import counts,
 also those inside functions and under ``TYPE_CHECKING``: a circle hidden from the
 interpreter is still a circle for the reader. ``__main__`` modules are entry points and may
@@ -42,7 +42,7 @@ LAYERS: dict[str, int] = {
 }
 RUNTIME_LAYERS: dict[str, int] = {
     "process": 0, "engine": 1, "guards": 2, "checkpoints": 3,
-    "worker": 4, "single": 4, "reference": 4, "launch": 5, "__init__": 6,
+    "worker": 4, "single": 4, "reference": 4, "rehearsal": 4, "launch": 5, "__init__": 6,
 }
 MAX_RUNTIME_TOP_MODULES = 12
 MAX_ENTRY_UPWARD = 2

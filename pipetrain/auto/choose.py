@@ -53,7 +53,8 @@ import statistics
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..plan.types import Plan
 from .measured import AutoMeasurements
@@ -64,12 +65,30 @@ if TYPE_CHECKING:
     from ..profile.cache import MeasurementCache
     from ..profile.types import Profile
     from ..schedule.traffic import TiedBuffer
+    from ..simulate.costs import MeasuredUnit
 
-__all__ = ["Candidate", "AutoChoice", "choose", "choose_on_profile", "microbatch_candidates", "scale_profile",
-           "sample_shapes", "stage_parameters", "plan_ties", "STEP_SAMPLE_ELEMENTS"]
+__all__ = ["Candidate", "AutoChoice", "Rehearse", "REHEARSALS", "choose", "choose_on_profile", "microbatch_candidates",
+           "scale_profile", "sample_shapes", "stage_parameters", "plan_ties", "STEP_SAMPLE_ELEMENTS"]
 
 #: A function giving the captured model and one unit of inputs at ``samples`` samples.
 ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
+
+
+class Rehearse(Protocol):
+    """Runs a candidate as its workers would and measures each stage's compute
+    (:mod:`pipetrain.runtime.rehearsal`; the run layer passes it in)."""
+
+    #: what its measurements depend on besides the candidate and the model (the cache's key)
+    settings: Mapping[str, Any]
+
+    def __call__(self, candidate: Candidate) -> Sequence[MeasuredUnit]:
+        """Each stage's compute per unit as its worker runs it, one per stage of ``candidate.plan``."""
+        ...
+
+
+#: The most candidates rehearsed, fastest first by the profile's prediction (step 5 of the
+#: module docstring): a rehearsal costs a short run of every rank.
+REHEARSALS = 4
 
 
 @dataclass(frozen=True)
@@ -83,6 +102,10 @@ class Candidate:
     why_not: str | None = None            # why it could not be planned or run, when so
     #: each stage's simulated per-unit compute (``predict_run``'s ``stage_unit_seconds``)
     stage_unit_seconds: tuple[Mapping[str, float], ...] = ()
+    #: the prediction from the profile; ``predicted_time`` is the rehearsal's when ``rehearsed``
+    profile_predicted_time: float | None = None
+    rehearsed: bool = False
+    rehearsal_note: str | None = None     # why a rehearsal failed, when one did
 
     @property
     def config(self) -> str:
@@ -91,14 +114,21 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         return {"schedule": self.schedule, "microbatches": self.microbatches, "config": self.config,
                 "predicted_time_per_minibatch": self.predicted_time, "why_not": self.why_not,
-                "stage_unit_seconds": [dict(c) for c in self.stage_unit_seconds]}
+                "stage_unit_seconds": [dict(c) for c in self.stage_unit_seconds],
+                "profile_predicted_time_per_minibatch": self.profile_predicted_time,
+                "rehearsed": self.rehearsed, "rehearsal_note": self.rehearsal_note}
 
     def line(self) -> str:
         if self.predicted_time is None:
             return f"{self.schedule} m={self.microbatches}: not runnable ({self.why_not})"
         idle = self.plan.extra.get("idle_workers") if self.plan is not None else None
+        how = ""
+        if self.rehearsed and self.profile_predicted_time is not None:
+            how = f" (rehearsed; the profile said {self.profile_predicted_time * 1e3:.2f} ms)"
+        elif self.rehearsal_note:
+            how = f" (profile only: {self.rehearsal_note})"
         return (f"{self.schedule} m={self.microbatches} {self.config}: {self.predicted_time * 1e3:.2f} ms"
-                + (f" ({idle} workers idle)" if idle else ""))
+                + (f" ({idle} workers idle)" if idle else "") + how)
 
 
 @dataclass
@@ -121,8 +151,11 @@ class AutoChoice:
                f"within {TIE_TOLERANCE:.0%} of the fastest of {len(self.runnable)} configurations, "
                f"{fastest.schedule} m={fastest.microbatches} at {(fastest.predicted_time or 0.0) * 1e3:.2f} ms, "
                f"and simpler: {_SEMANTICS[_semantics(b)]}")
+        rehearsed = sum(1 for c in self.candidates if c.rehearsed)
+        compute = (f"{self.compute}, the {rehearsed} fastest rehearsed as their workers run them" if rehearsed
+                   else self.compute)
         return (f"auto: {b.schedule} m={b.microbatches} on {b.config}, predicted {b.predicted_time * 1e3:.2f} ms "
-                f"per minibatch ({how}; on {self.costs} and {self.compute}; chosen in {self.seconds:.1f} s)")
+                f"per minibatch ({how}; on {self.costs} and {compute}; chosen in {self.seconds:.1f} s)")
 
     @property
     def runnable(self) -> list[Candidate]:
@@ -296,7 +329,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
            microbatches: int | None = None, repeats: int = 3,
            schedules: Sequence[str] | None = None,
            accept: Callable[[Candidate, Any], str | None] | None = None,
-           cache: MeasurementCache | None = None, cache_key: Mapping[str, Any] | None = None) -> AutoChoice:
+           cache: MeasurementCache | None = None, cache_key: Mapping[str, Any] | None = None,
+           rehearse: Rehearse | None = None) -> AutoChoice:
     """The fastest configuration of the model on ``workers`` ranks (module docstring).
 
     Args:
@@ -311,6 +345,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             None: measure everything.
         cache_key: what identifies the model for the cache (its name and options); None:
             only the calibration is cached.
+        rehearse: runs a candidate as its workers would (module docstring, 5); None: every
+            prediction is the profile's.
 
     Raises:
         PlanError: when no candidate can run (one line naming why for each).
@@ -320,7 +356,6 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     from ..plan.calibrated import plan_with_calibration, resolve_calibration
     from ..plan.cuts import split_by_config
     from ..profile import profiler
-    from ..simulate.calibrated import predict_run
     from .stage_timing import refine_profile, stage_seconds
 
     t0 = time.monotonic()
@@ -335,6 +370,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     names = list(schedules) if schedules is not None else _auto_names()
     steps_of = _StepTimer(optimizer, momentum, measured)
     units_cache: dict[int, tuple[Any, tuple[Any, ...], Profile, dict[str, Any] | None]] = {}
+    predictors: dict[int, _Predictor] = {}  # id(candidate) -> its prediction, to make again with measured compute
 
     def at(samples: int) -> tuple[Any, tuple[Any, ...], Profile, dict[str, Any] | None]:
         if samples not in units_cache:
@@ -380,16 +416,79 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             tied = plan_ties(captured.gm, plan)
         except PipetrainError as e:  # the workers could not partition the graph so
             return Candidate(name, m, plan, None, str(e))
-        step_time = [steps_of(captured.gm, list(s.nodes)) for s in plan.stages]
-        pred = predict_run(plan, scale_profile(unit_prof, units, batch_size), cal, name, microbatches=m,
-                           step_time=step_time, tied=tied)
-        return Candidate(name, m, plan, float(pred["time_per_minibatch"]),
-                         stage_unit_seconds=tuple(pred["stage_unit_seconds"]))
+        predict = _Predictor(plan, scale_profile(unit_prof, units, batch_size), cal, name, m,
+                             [steps_of(captured.gm, list(s.nodes)) for s in plan.stages], tied, key)
+        pred = predict()
+        t = float(pred["time_per_minibatch"])
+        out = Candidate(name, m, plan, t, stage_unit_seconds=tuple(pred["stage_unit_seconds"]),
+                        profile_predicted_time=t)
+        predictors[id(out)] = predict
+        return out
 
     # Every timing here (profiles, stages as a whole, optimizer steps) at the workers' threads.
     with profiler.num_threads(threads):
         out = _each(names, workers, batch_size, microbatches, evaluate)
+        if rehearse is not None:
+            out = _rehearsed(out, rehearse, predictors, measured)
     return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0)
+
+
+@dataclass(frozen=True)
+class _Predictor:
+    """One candidate's prediction (:func:`~pipetrain.simulate.calibrated.predict_run`), made
+    again with measured compute after its rehearsal; ``key``: its profile's cache key."""
+
+    plan: Plan
+    profile: Profile
+    cal: Calibration
+    schedule: str
+    microbatches: int
+    step_time: list[float]
+    tied: tuple[TiedBuffer, ...]
+    key: dict[str, Any] | None
+
+    def __call__(self, measured: Sequence[MeasuredUnit] | None = None) -> dict[str, Any]:
+        from ..simulate.calibrated import predict_run
+
+        return predict_run(self.plan, self.profile, self.cal, self.schedule, microbatches=self.microbatches,
+                           step_time=self.step_time, tied=self.tied, measured=measured)
+
+
+def _rehearsed(out: list[Candidate], rehearse: Rehearse, predictors: Mapping[int, _Predictor],
+               measured: AutoMeasurements) -> list[Candidate]:
+    """``out`` with the fastest candidates rehearsed (module docstring, 5): in the order of
+    their profile predictions, while one is within :data:`TIE_TOLERANCE` of the fastest
+    rehearsed prediction so far (a profile leaves out the runtime's own work, so it predicts
+    low: a candidate already slower than a rehearsed one by the profile stays slower), at most
+    :data:`REHEARSALS`. A rehearsal that fails leaves its candidate's profile prediction, with why."""
+    from ..errors import PipetrainError
+
+    done: dict[int, Candidate] = {}
+    best = math.inf
+    order = sorted((c for c in out if c.predicted_time is not None and id(c) in predictors),
+                   key=lambda c: c.predicted_time or 0.0)
+    for c in order[:REHEARSALS]:
+        if (c.predicted_time or 0.0) > best * (1.0 + TIE_TOLERANCE):
+            break
+        predict = predictors[id(c)]
+        what = {"schedule": c.schedule, "microbatches": c.microbatches,
+                "stages": [list(s.nodes) for s in predict.plan.stages], "replicas": list(predict.plan.replicas),
+                "runtime": dict(rehearse.settings)}
+        try:
+            units = measured.rehearsal(predict.key, what, predict.plan.num_stages, partial(_listed, rehearse, c))
+            pred = predict(units)
+        except (PipetrainError, RuntimeError, ValueError) as e:  # the candidate keeps its profile prediction
+            done[id(c)] = replace(c, rehearsal_note=f"its rehearsal failed: {type(e).__name__}: {e}")
+            continue
+        t = float(pred["time_per_minibatch"])
+        done[id(c)] = replace(c, predicted_time=t, stage_unit_seconds=tuple(pred["stage_unit_seconds"]),
+                              rehearsed=True)
+        best = min(best, t)
+    return [done.get(id(c), c) for c in out]
+
+
+def _listed(rehearse: Rehearse, candidate: Candidate) -> list[MeasuredUnit]:
+    return list(rehearse(candidate))
 
 
 def _measure_settings(optimizer: str, momentum: float, threads: int | None, repeats: int) -> dict[str, Any]:
@@ -517,13 +616,15 @@ def _each(names: Sequence[str], workers: int, batch: int, microbatches: int | No
 
 
 def _best(out: list[Candidate], fix: str) -> Candidate:
+    """The pick among the runnable candidates: the rehearsed ones when any were (a profile
+    predicts low, so a rehearsed prediction is not compared with one that was not)."""
     from ..errors import PlanError
 
     runnable = [c for c in out if c.predicted_time is not None]
     if not runnable:
         raise PlanError("no configuration could be planned for --schedule auto: "
                         + "; ".join(c.line() for c in out) + f"; {fix}")
-    return pick(runnable)
+    return pick([c for c in runnable if c.rehearsed] or runnable)
 
 
 #: Predictions closer than this to the fastest are a tie (module docstring, 4): the

@@ -5,8 +5,8 @@ calibration (when no ``--calibration`` is given), one profile per unit size, eac
 stage's forward + backward as a whole, and each stage's optimizer step. All of them depend
 only on the model, the settings and the machine, so :class:`AutoMeasurements` keeps them in
 the :class:`~pipetrain.profile.cache.MeasurementCache` (kinds ``calibration``, ``profile``,
-``stage-times`` and ``optimizer-step``): a repeated ``train --schedule auto`` plans on them
-without profiling again (``--no-cache``: measure again).
+``stage-times``, ``optimizer-step`` and ``rehearsal``): a repeated ``train --schedule auto``
+plans on them without profiling again (``--no-cache``: measure again).
 
 A profile's key is the caller's model key (name and options), the captured graph's
 fingerprint (:func:`~pipetrain.profile.cache.graph_fingerprint`: any change to the nodes,
@@ -24,8 +24,9 @@ if TYPE_CHECKING:
     from ..graph.capture import CapturedModel
     from ..profile.cache import MeasurementCache
     from ..profile.types import Profile
+    from ..simulate.costs import MeasuredUnit
 
-__all__ = ["AutoMeasurements", "STEP_TIMED"]
+__all__ = ["AutoMeasurements", "STEP_TIMED", "REHEARSAL_TIMED"]
 
 
 class AutoMeasurements:
@@ -82,6 +83,26 @@ class AutoMeasurements:
                                       make, list, _floats(len(stages)))
         return seconds
 
+    def rehearsal(self, key: Mapping[str, Any] | None, what: Mapping[str, Any], stages: int,
+                  make: Callable[[], list[MeasuredUnit]]) -> list[MeasuredUnit]:
+        """Each of ``stages`` stages' compute as a candidate's workers run it (``make()`` on a
+        miss), of the model whose profile key is ``key``; ``what``: the candidate (schedule,
+        microbatches, stages, replicas) and the rehearsal's settings."""
+        from ..simulate.costs import MeasuredUnit
+
+        def measure() -> list[MeasuredUnit]:
+            units = make()
+            if len(units) != stages:
+                raise ValueError(f"the rehearsal measured {len(units)} stages of the plan's {stages}")
+            return units
+
+        if key is None or self.cache is None:
+            return measure()
+        units, _ = self.cache.fetch("rehearsal", {"profile": dict(key), **what, "timed": REHEARSAL_TIMED}, measure,
+                                    lambda us: [u.to_dict() for u in us],
+                                    lambda v: [MeasuredUnit.from_dict(u) for u in _list(v, stages)])
+        return units
+
     def step_seconds(self, shapes: Sequence[Sequence[int]], make: Callable[[], float]) -> float:
         """Seconds of one STEP over parameters of ``shapes`` (what :data:`STEP_TIMED` names)."""
         if self.cache is None:
@@ -92,6 +113,9 @@ class AutoMeasurements:
         return value
 
 
+#: What a rehearsal times (part of its cache key): a cached rehearsal timed otherwise is run again.
+REHEARSAL_TIMED = "F, B, I, W and STEP medians of each stage's units after its first minibatch, executor and hooks"
+
 #: What one timed STEP holds (``auto.choose._StepTimer``), part of its cache key: a cached
 #: time of a STEP timed otherwise is measured again.
 STEP_TIMED = "mean, guard on gradients, optimizer, guard on weights (fused norms)"
@@ -101,6 +125,12 @@ def _float(v: Any) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
         raise ValueError(f"not a time: {v!r}")
     return float(v)
+
+
+def _list(v: Any, n: int) -> list[Any]:
+    if not isinstance(v, list) or len(v) != n:
+        raise ValueError(f"not {n} entries: {v!r}")
+    return v
 
 
 def _floats(n: int) -> Callable[[Any], list[float]]:

@@ -258,12 +258,14 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
         return None
 
     from ..profile.cache import MeasurementCache
+    from .rehearse import CandidateRehearsal
 
     choice = choose(model_at, batch_size=batch, workers=workers, optimizer=cfg.optimizer.name,
                     momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
                     calibration=par.calibration, microbatches=par.microbatches, accept=accept,
                     cache=MeasurementCache(enabled=cfg.performance.cache),
-                    cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)})
+                    cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
+                    rehearse=CandidateRehearsal(cfg, workers, batch))
     best = choice.best
     log.info("%s", "\n".join(summary_lines(choice)))
     return replace(cfg, parallel=replace(par, schedule=best.schedule, microbatches=best.microbatches,

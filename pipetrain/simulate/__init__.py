@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..schedule.events import Event  # noqa: F401
-from .costs import StageCost, StageCosts  # noqa: F401
+from .costs import MeasuredUnit, StageCost, StageCosts  # noqa: F401
 from .engine import SimResult, simulate  # noqa: F401
 from .trace import save_trace, to_chrome_trace, trace_event, trace_process_name, write_chrome_trace  # noqa: F401
 
@@ -25,5 +25,5 @@ def save_gantt(result: SimResult, path: str | Path, title: str | None = None, dp
     return _save(result, path, title=title, dpi=dpi)
 
 
-__all__ = ["StageCost", "StageCosts", "Event", "SimResult", "simulate", "to_chrome_trace", "trace_event",
-           "trace_process_name", "save_trace", "save_gantt", "write_chrome_trace"]
+__all__ = ["StageCost", "StageCosts", "MeasuredUnit", "Event", "SimResult", "simulate", "to_chrome_trace",
+           "trace_event", "trace_process_name", "save_trace", "save_gantt", "write_chrome_trace"]

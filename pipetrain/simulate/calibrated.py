@@ -24,7 +24,7 @@ from ..plan.traffic import plan_traffic
 from ..plan.types import Plan
 from ..schedule.registry import get_schedule
 from ..schedule.traffic import TiedBuffer, bytes_per_sample
-from .costs import StageCosts
+from .costs import MeasuredUnit, StageCost, StageCosts
 from .engine import simulate
 
 if TYPE_CHECKING:
@@ -51,14 +51,17 @@ class CalibratedStageCosts(StageCosts):
 
 def calibrated_costs(plan: Plan, profile: Profile, cal: Calibration, units: int = 1,
                      step_time: float | Sequence[float] = 0.0,
-                     tied: Sequence[TiedBuffer] = ()) -> CalibratedStageCosts:
+                     tied: Sequence[TiedBuffer] = (),
+                     measured: Sequence[MeasuredUnit] | None = None) -> CalibratedStageCosts:
     """The simulator's costs of ``plan`` from ``profile`` on the calibrated network.
 
     Transfers take ``p2p latency + bytes / p2p bandwidth`` (every pair of ranks on its own
     full-duplex link); all-reduces the calibrated ring time (module docstring).
     ``step_time``: seconds of one optimizer step, for every stage or one per stage.
     ``tied``: tensors tied across stages (:attr:`StageCosts.tied`), all-reduced at the
-    calibrated ring time.
+    calibrated ring time. ``measured``: every stage's compute as its worker runs it (a
+    rehearsal, :class:`~pipetrain.simulate.costs.MeasuredUnit`) in place of the profile's;
+    a measured STEP in place of ``step_time``.
     """
     if isinstance(step_time, (int, float)):
         steps = [float(step_time)] * plan.num_stages
@@ -71,16 +74,28 @@ def calibrated_costs(plan: Plan, profile: Profile, cal: Calibration, units: int 
                                 calibrated_topology(cal, max(plan.num_workers, 1)), units=units,
                                 latency=cal.p2p.latency_seconds)
     slow = cal.compute_slowdown
-    return CalibratedStageCosts(stages=[replace(c, step_time=x * slow) for c, x in zip(base.stages, steps)],
+    stages = [replace(c, step_time=x) for c, x in zip(base.stages, steps)]
+    if measured is not None:  # measured alone: compute and STEP x slow, as the profile's are
+        stages = [_slowed(c, slow) for c in replace(base, stages=stages).with_measured(measured).stages]
+    else:
+        stages = [replace(c, step_time=c.step_time * slow) for c in stages]
+    return CalibratedStageCosts(stages=stages,
                                 bandwidth=base.bandwidth, latency=base.latency, topology=base.topology,
                                 extra=dict(base.extra), tied=tuple(tied),
                                 allreduce_bandwidth=cal.allreduce_bus_bandwidth,
                                 allreduce_step_latency=ring_step_latency(cal))
 
 
+def _slowed(c: StageCost, slow: float) -> StageCost:
+    """A measured stage's compute and STEP ``x slow`` (measured alone; the run shares the cores)."""
+    return replace(c, forward_time=c.forward_time * slow, backward_time=c.backward_time * slow,
+                   step_time=c.step_time * slow) if slow != 1.0 else c
+
+
 def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *, microbatches: int | None = None,
                 steps: int = 8, options: Mapping[str, Any] | None = None,
-                step_time: float | Sequence[float] = 0.0, tied: Sequence[TiedBuffer] = ()) -> dict[str, Any]:
+                step_time: float | Sequence[float] = 0.0, tied: Sequence[TiedBuffer] = (),
+                measured: Sequence[MeasuredUnit] | None = None) -> dict[str, Any]:
     """Simulate ``schedule`` on ``plan`` with calibrated costs: time per minibatch and bytes.
 
     ``profile.batch_size`` is the minibatch; a microbatched schedule cuts it into
@@ -91,7 +106,8 @@ def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *
     "step"}`` seconds of one unit's forward and backward (I + W) and of one STEP, what a
     measured trace's F, B (I + W) and STEP are compared with. ``tied``: tensors tied across
     the plan's stages (:func:`pipetrain.stages.tied.tied_buffers`): their holders' STEPs meet
-    for the gradients' all-reduce, in the time and in the bytes.
+    for the gradients' all-reduce, in the time and in the bytes. ``measured``: every stage's
+    compute as its worker runs it (:func:`calibrated_costs`).
     """
     if not profile.batch_size:
         raise PlanError(f"profile of {profile.model!r} has no batch size; profile with one to predict a run")
@@ -105,7 +121,7 @@ def predict_run(plan: Plan, profile: Profile, cal: Calibration, schedule: str, *
     steps = max(period, -(-steps // period) * period)  # pipedream: a multiple of every replica count
     sched = spec.build(reps, microbatches, steps, **opts)
     units = max(1, int(sched.microbatches))
-    costs = calibrated_costs(plan, profile, cal, units=units, step_time=step_time, tied=tied)
+    costs = calibrated_costs(plan, profile, cal, units=units, step_time=step_time, tied=tied, measured=measured)
     sim = simulate(sched, costs)
     traffic = plan_traffic(plan, profile, sched, max(1, profile.batch_size // units), tied=tied)
     t = sim.time_per_minibatch

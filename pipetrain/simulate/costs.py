@@ -12,6 +12,12 @@ constructors:
   ``k+1`` (relay: a skip connection crosses every cut on its way).
 - :meth:`StageCosts.synthetic`: given forward and backward times per unit, no communication.
 
+:class:`MeasuredUnit` is one stage's compute as its worker runs it (a rehearsal,
+:mod:`pipetrain.runtime.rehearsal`); :meth:`StageCosts.with_measured` puts it in place of the
+profile's sums: the runtime's own work around the graph (binding a weight version, the
+fused gradient sinks, the numerics checks, the loss) and a zero-bubble backward's two
+autograd passes are in it, and no profile holds them.
+
 Times are seconds, sizes bytes, bandwidths bytes/second.
 """
 from __future__ import annotations
@@ -90,6 +96,52 @@ class StageCost:
         raise ValueError(f"{op} is not a compute action")
 
 
+@dataclass(frozen=True)
+class MeasuredUnit:
+    """One stage's measured seconds per unit as its worker runs them: the forward (F), the
+    whole backward (B) or its halves (I, W: zero-bubble), and one STEP; ``None``: not run
+    (a backward is B or I + W, whichever the measured schedule runs)."""
+
+    forward: float
+    backward: float | None = None
+    input: float | None = None
+    weight: float | None = None
+    step: float | None = None
+
+    def __post_init__(self) -> None:
+        values = [self.forward, self.backward, self.input, self.weight, self.step]
+        if any(v is not None and not 0 <= v < math.inf for v in values):
+            raise PlanError(f"a measured unit needs finite times >= 0, got {self}")
+        if self.backward is None and (self.input is None or self.weight is None):
+            raise PlanError(f"a measured unit needs its backward (B) or both halves (I and W), got {self}")
+
+    def applied_to(self, cost: StageCost) -> StageCost:
+        """``cost`` with this compute: the backward B, else I + W (its W share as measured
+        when both halves are, else the profile's), this STEP where measured; a recomputing
+        stage's forward is inside the measured backward already."""
+        fraction = cost.weight_grad_fraction
+        halves = (self.input or 0.0) + (self.weight or 0.0)
+        if self.input is not None and self.weight is not None and halves > 0:
+            fraction = self.weight / halves
+        backward = self.backward if self.backward is not None else halves
+        return replace(cost, forward_time=self.forward, backward_time=backward, weight_grad_fraction=fraction,
+                       step_time=cost.step_time if self.step is None else self.step, recompute_time=0.0)
+
+    def to_dict(self) -> dict[str, float | None]:
+        return {"forward": self.forward, "backward": self.backward, "input": self.input, "weight": self.weight,
+                "step": self.step}
+
+    @staticmethod
+    def from_dict(d: Any) -> MeasuredUnit:
+        if not isinstance(d, dict) or not isinstance(d.get("forward"), (int, float)):
+            raise ValueError(f"not a measured unit: {d!r}")
+
+        def time(k: str) -> float | None:
+            return None if d.get(k) is None else float(d[k])
+
+        return MeasuredUnit(float(d["forward"]), time("backward"), time("input"), time("weight"), time("step"))
+
+
 @dataclass
 class StageCosts:
     """Costs of every stage plus the network.
@@ -158,6 +210,13 @@ class StageCosts:
         ring = list(ranks) + [ranks[0]]
         bw = min(self.link_bandwidth(a, b) for a, b in zip(ring, ring[1:]))
         return 2 * (r - 1) / r * nbytes / bw + 2 * (r - 1) * self.latency
+
+    def with_measured(self, measured: Sequence[MeasuredUnit]) -> StageCosts:
+        """These costs with every stage's compute as measured (one :class:`MeasuredUnit` per stage)."""
+        if len(measured) != len(self.stages):
+            raise PlanError(f"measured compute for {len(measured)} stages, the costs have {len(self.stages)}; "
+                            f"measure every stage of the plan")
+        return replace(self, stages=[m.applied_to(c) for m, c in zip(measured, self.stages)])
 
     # -- constructors ------------------------------------------------------------------
     @staticmethod

@@ -173,15 +173,18 @@ class Comm:
         timeout: seconds for new process groups (waits use the group's timeout).
         global_clip: create the all-ranks group used by global gradient clipping.
         wire_dtype: the dtype float32 wires travel in (``None``: as they are; module docstring).
+        distributed: whether transfers go through the process group (``None``: when one is
+            initialised); ``False`` keeps every transfer in this process and creates no group.
     """
 
     def __init__(self, rank: int, schedule: Schedule, codecs: Sequence[BoundaryCodec], device: torch.device,
-                 timeout: float, global_clip: bool = False, wire_dtype: torch.dtype | None = None) -> None:
+                 timeout: float, global_clip: bool = False, wire_dtype: torch.dtype | None = None,
+                 distributed: bool | None = None) -> None:
         self.rank = rank
         self.wire_dtype = wire_dtype
         self.device = device
         self.codecs = list(codecs)
-        self.distributed = dist.is_available() and dist.is_initialized()
+        self.distributed = (dist.is_available() and dist.is_initialized()) if distributed is None else distributed
         self.nccl = self.distributed and dist.get_backend() == "nccl"
         self._pool: dict[tuple[int, int, int], list[_PooledBuffer]] = {}
         self._pooled: set[int] = set()  # ids of tensors that are pool buffers

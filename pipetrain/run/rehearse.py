@@ -1,0 +1,81 @@
+"""A candidate of the automatic choice as a short resolved run, rehearsed.
+
+:class:`CandidateRehearsal` is the :class:`~pipetrain.auto.choose.Rehearse` the launcher
+gives :func:`~pipetrain.auto.choose.choose`: it resolves a candidate (schedule, microbatches,
+plan) into a :class:`~pipetrain.job.resolved.ResolvedRun` of a few minibatches, exactly as
+:func:`~pipetrain.run.resolve.resolve_run` would resolve that configuration, and hands it to
+:func:`pipetrain.runtime.rehearsal.rehearse`, which runs every rank's actions as its worker
+does and measures each stage's compute.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..auto.choose import Candidate
+from ..job.config import TrainConfig
+from ..job.resolved import ResolvedRun, Segment
+from ..schedule.registry import get_schedule
+from ..simulate.costs import MeasuredUnit
+
+__all__ = ["CandidateRehearsal", "REHEARSAL_UNITS", "rehearsal_steps"]
+
+#: Units every rehearsed rank times (after its first minibatch, the warm-up)...
+REHEARSAL_UNITS = 8
+#: ...in at most this many minibatches.
+REHEARSAL_MAX_STEPS = 16
+
+
+def rehearsal_steps(schedule: str, replicas: list[int], microbatches: int) -> int:
+    """Minibatches of a rehearsal: one to warm up, then enough for :data:`REHEARSAL_UNITS`
+    units on each rank (a replica runs ``1/replicas`` of its stage's units), at most
+    :data:`REHEARSAL_MAX_STEPS`, rounded up to the schedule's steps period."""
+    spec = get_schedule(schedule)
+    units = 1 if spec.unit == "minibatch" else microbatches
+    per_rank = units / max(1, max(replicas))
+    steps = 1 + min(REHEARSAL_MAX_STEPS - 1, math.ceil(REHEARSAL_UNITS / per_rank))
+    period = int(spec.steps_period(replicas))
+    return -(-steps // period) * period
+
+
+@dataclass
+class CandidateRehearsal:
+    """Rehearses the automatic choice's candidates of the run ``cfg`` on ``workers`` ranks
+    with minibatches of ``batch`` samples."""
+
+    cfg: TrainConfig
+    workers: int
+    batch: int
+    #: what the rehearsal's measurements depend on besides the candidate (the cache's key)
+    settings: Mapping[str, Any] = field(init=False)
+
+    def __post_init__(self) -> None:
+        c = self.cfg
+        self.settings = {"fused_grads": c.performance.fused_grads, "precision": c.training.precision,
+                         "recompute": c.performance.recompute, "optimizer": c.optimizer.name,
+                         "momentum": c.optimizer.momentum, "clip": c.training.clip_grad_norm,
+                         "device": c.parallel.device, "units": REHEARSAL_UNITS}
+
+    def run_of(self, candidate: Candidate) -> ResolvedRun:
+        """``candidate`` as a resolved run of :func:`rehearsal_steps` minibatches."""
+        plan = candidate.plan
+        if plan is None:
+            raise ValueError(f"candidate {candidate.schedule} m={candidate.microbatches} has no plan to rehearse")
+        replicas = list(plan.replicas)
+        steps = rehearsal_steps(candidate.schedule, replicas, candidate.microbatches)
+        cfg = self.cfg.replace(schedule=candidate.schedule, microbatches=candidate.microbatches, auto=False,
+                               steps=steps, epochs=None, warmup_steps=0, eval_every=None, checkpoint_every=None,
+                               target_accuracy=None, target_loss=None)
+        options = dict(cfg.parallel.schedule_options)  # the candidate schedule's own
+        schedule = cfg.spec.build(replicas, candidate.microbatches, steps, **options)
+        run = ResolvedRun(cfg, self.workers, self.batch, candidate.microbatches, plan, "rehearsal", options,
+                          (Segment("timed", steps, schedule),))
+        run.check()
+        return run
+
+    def __call__(self, candidate: Candidate) -> list[MeasuredUnit]:
+        from ..runtime.rehearsal import rehearse
+
+        return list(rehearse(self.run_of(candidate)).stages)

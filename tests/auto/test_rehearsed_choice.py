@@ -1,0 +1,146 @@
+"""The automatic choice rehearses its fastest candidates (pipetrain.auto.choose, step 5).
+
+- a measured unit replaces a stage's compute exactly: the prediction with measured units
+  equals the simulator run on costs made of those units (B, or I + W with W's share), the
+  calibration's compute slowdown applied to them as to a profile;
+- candidates are rehearsed in the order of their profile predictions, while one is within
+  the tie tolerance of the fastest rehearsed so far, at most ``REHEARSALS``; the pick is made
+  among the rehearsed; a failed rehearsal keeps the profile's prediction and says why;
+- rehearsals are kept in the measurement cache: a repeated choice rehearses nothing again.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_auto import model_at
+from test_calibrated import MBIT, make_cal
+
+from pipetrain.auto.choose import REHEARSALS, TIE_TOLERANCE, Candidate, choose
+from pipetrain.errors import PlanError
+from pipetrain.profile.cache import MeasurementCache
+from pipetrain.schedule import get_schedule
+from pipetrain.simulate import MeasuredUnit, StageCosts, simulate
+from pipetrain.simulate.calibrated import calibrated_costs
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def test_a_measured_unit_is_the_stages_compute() -> None:
+    base = StageCosts.synthetic(2, [1.0, 2.0], [3.0, 4.0], step_time=0.5).stages[0]
+    whole = MeasuredUnit(0.010, backward=0.030, step=0.002).applied_to(base)
+    assert (whole.forward_time, whole.backward_time, whole.step_time) == (0.010, 0.030, 0.002)
+    assert whole.weight_grad_fraction == base.weight_grad_fraction
+    halves = MeasuredUnit(0.010, input=0.001, weight=0.003).applied_to(base)
+    assert halves.backward_time == pytest.approx(0.004)
+    assert halves.weight_grad_fraction == pytest.approx(0.75)
+    assert halves.step_time == base.step_time  # no STEP measured: the given one
+    with pytest.raises(PlanError, match="needs its backward"):
+        MeasuredUnit(0.01, input=0.001)
+    with pytest.raises(PlanError, match="finite times"):
+        MeasuredUnit(-1.0, backward=0.1)
+    assert MeasuredUnit.from_dict(halves_dict := MeasuredUnit(0.01, None, 0.001, 0.003, 0.002).to_dict()).to_dict() \
+        == halves_dict
+
+
+@pytest.mark.parametrize("schedule", ["flush", "zerobubble"])
+def test_the_prediction_with_measured_units_is_the_simulator_on_those_costs(schedule: str) -> None:
+    """``calibrated_costs(..., measured=)``: each stage's F, backward and STEP are the measured
+    ones times the calibration's compute slowdown; the rest (bytes, links) the plan's."""
+    from pipetrain.auto.choose import scale_profile
+    from pipetrain.plan.api import PlanOptions
+    from pipetrain.plan.calibrated import plan_with_calibration
+    from pipetrain.profile import profile_captured
+
+    captured, inputs = model_at(4)
+    unit = profile_captured(captured, inputs, batch_size=4, warmup=1, repeats=1)
+    cal = replace(make_cal(1000 * MBIT), compute_slowdown=1.5)
+    prof = scale_profile(unit, 4, 16)
+    plan = plan_with_calibration(prof, 2, cal, PlanOptions(schedule="flush", microbatches=4, use_all_workers=True))
+    assert plan.num_stages == 2
+    units = [MeasuredUnit(0.010, input=0.004, weight=0.006, step=0.001),
+             MeasuredUnit(0.020, backward=0.030, step=0.002)]
+    costs = calibrated_costs(plan, prof, cal, units=4, step_time=[0.5, 0.5], measured=units)
+    assert [c.forward_time for c in costs.stages] == pytest.approx([0.015, 0.030])
+    assert [c.backward_time for c in costs.stages] == pytest.approx([0.015, 0.045])
+    assert [c.step_time for c in costs.stages] == pytest.approx([0.0015, 0.003])
+    plain = calibrated_costs(plan, prof, cal, units=4, step_time=[0.5, 0.5])
+    assert [c.activation_send_bytes for c in costs.stages] == [c.activation_send_bytes for c in plain.stages]
+    assert [c.step_time for c in plain.stages] == pytest.approx([0.75, 0.75])
+    sched = get_schedule(schedule).build(plan.replicas, 4, 4)
+    assert simulate(sched, costs).time_per_minibatch != simulate(sched, plain).time_per_minibatch
+
+
+class FakeRehearse:
+    """A rehearsal whose stages take ``slow`` x the candidate's profile figures (a dict by
+    schedule), recording what it was asked."""
+
+    settings = {"fake": 1}
+
+    def __init__(self, slow: dict[str, float], fail: Sequence[str] = ()) -> None:
+        self.slow, self.fail, self.asked = slow, set(fail), []
+
+    def __call__(self, c: Candidate) -> list[MeasuredUnit]:
+        self.asked.append((c.schedule, c.microbatches))
+        if c.schedule in self.fail:
+            raise RuntimeError("stage 1 could not be built")
+        f = self.slow.get(c.schedule, 1.0)
+        return [MeasuredUnit(s["forward"] * f, backward=s["backward"] * f, step=s["step"])
+                for s in c.stage_unit_seconds]
+
+
+def kwargs(**more: Any) -> dict[str, Any]:
+    return dict(batch_size=16, workers=2, model_name="mlp", calibration=make_cal(1000 * MBIT), repeats=1, **more)
+
+
+def test_the_fastest_candidates_are_rehearsed_in_order_and_the_pick_is_among_them() -> None:
+    fake = FakeRehearse({"pipedream": 3.0, "2bw": 3.0})
+    choice = choose(model_at, rehearse=fake, **kwargs())
+    runnable = sorted(choice.runnable, key=lambda c: c.profile_predicted_time or 0.0)
+    rehearsed = [c for c in runnable if c.rehearsed]
+    assert rehearsed and len(fake.asked) == len(rehearsed) <= REHEARSALS
+    assert fake.asked == [(c.schedule, c.microbatches) for c in runnable[:len(rehearsed)]]  # in the profile's order
+    best = min(c.predicted_time or 0.0 for c in rehearsed)
+    following = runnable[len(rehearsed):]
+    if following and len(rehearsed) < REHEARSALS:  # stopped: the next is slower than a rehearsed one by the profile
+        assert (following[0].profile_predicted_time or 0.0) > best * (1 + TIE_TOLERANCE)
+    for c in rehearsed:
+        assert c.profile_predicted_time is not None and c.predicted_time is not None
+        if c.schedule in fake.slow:
+            assert c.predicted_time > c.profile_predicted_time
+    assert choice.best.rehearsed
+    assert "rehearsed" in choice.note() and "rehearsed" in choice.best.line()
+    assert choice.to_json()["candidates"][0].keys() >= {"rehearsed", "profile_predicted_time_per_minibatch"}
+
+
+def test_a_failed_rehearsal_keeps_the_profiles_prediction_and_says_why() -> None:
+    fake = FakeRehearse({}, fail=["pipedream", "2bw", "flush", "dp", "zerobubble"])
+    choice = choose(model_at, rehearse=fake, **kwargs())
+    assert fake.asked and not any(c.rehearsed for c in choice.candidates)
+    failed = [c for c in choice.candidates if c.rehearsal_note]
+    assert failed and all("stage 1 could not be built" in (c.rehearsal_note or "") for c in failed)
+    assert all(c.predicted_time == c.profile_predicted_time for c in failed)
+    assert "profile only" in failed[0].line()
+
+
+def test_rehearsals_are_kept_in_the_measurement_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIPETRAIN_CACHE", str(tmp_path))
+    first = FakeRehearse({"pipedream": 2.0})
+    a = choose(model_at, rehearse=first, cache=MeasurementCache(), cache_key={"model": "mlp"}, **kwargs())
+    again = FakeRehearse({"pipedream": 2.0})
+    b = choose(model_at, rehearse=again, cache=MeasurementCache(), cache_key={"model": "mlp"}, **kwargs())
+    assert first.asked and not again.asked
+    assert [c.predicted_time for c in a.candidates] == [c.predicted_time for c in b.candidates]
+    other = FakeRehearse({"pipedream": 2.0})
+    other.settings = {"fake": 2}  # another runtime setting: rehearsed again
+    choose(model_at, rehearse=other, cache=MeasurementCache(), cache_key={"model": "mlp"}, **kwargs())
+    assert other.asked

@@ -1,0 +1,122 @@
+"""A rehearsal (pipetrain.runtime.rehearsal): every rank's actions run as its worker runs
+them, one rank after another in one process, timed.
+
+- it runs what the workers run: each stage's forward and its backward as the schedule has
+  it (B; I and W for zero-bubble), every unit after the first minibatch timed;
+- one rank per distinct set of stages (replicas do the same work), in pipeline order;
+- a forward receive gets the previous stage's real output for that unit, a backward receive
+  a fixed, finite stand-in; no process group is needed or made;
+- a candidate of the automatic choice resolves into a valid short run of its own schedule,
+  microbatches and plan, and its rehearsal gives one measured unit per stage (a replicated
+  stage, a Hugging Face model with a tied embedding).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pipetrain.auto.choose import Candidate
+from pipetrain.job import TrainConfig
+from pipetrain.models import TINY_OPTIONS
+from pipetrain.plan.cuts import split_by_config
+from pipetrain.run.rehearse import REHEARSAL_UNITS, CandidateRehearsal, rehearsal_steps
+from pipetrain.run.resolve import _load_captured
+from pipetrain.runtime.rehearsal import STAND_IN_GRADIENT, RehearsalComm, _Wires, rehearsal_ranks, rehearse
+from pipetrain.schedule import get_schedule
+from pipetrain.schedule.action import Action, Op
+from pipetrain.stages.boundary import WireSpec
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+def test_one_rank_per_distinct_set_of_stages_in_pipeline_order() -> None:
+    assert rehearsal_ranks(get_schedule("flush").build([1, 1, 1], 3, 2)) == [0, 1, 2]
+    assert rehearsal_ranks(get_schedule("pipedream").build([2, 1], 1, 2)) == [0, 2]
+    assert rehearsal_ranks(get_schedule("dp").build([2], 2, 2)) == [0]
+    inter = get_schedule("interleaved").build([1, 1, 1, 1], 4, 1, virtual_stages=2)
+    assert rehearsal_ranks(inter) == [0, 1]
+
+
+def test_rehearsal_steps_time_enough_units_on_every_rank() -> None:
+    assert rehearsal_steps("flush", [1, 1], 8) == 2
+    assert rehearsal_steps("flush", [1, 1], 2) == 1 + REHEARSAL_UNITS // 2
+    assert rehearsal_steps("pipedream", [1, 1], 1) == 1 + REHEARSAL_UNITS
+    steps = rehearsal_steps("pipedream", [2, 1], 1)  # a replica runs every other minibatch
+    assert steps % 2 == 0 and steps >= 1 + REHEARSAL_UNITS
+
+
+def test_receives_get_the_previous_stages_real_output_and_finite_stand_in_gradients() -> None:
+    sched = get_schedule("flush").build([1, 1], 2, 1)
+
+    class Codec:  # what the comm reads of a boundary codec: its wires' specs and which carry gradients
+        specs = [WireSpec((2, 3), torch.float32), WireSpec((2,), torch.int64)]
+        grad_indices = [0]
+
+    wires = _Wires()
+    comm = RehearsalComm(0, sched, [Codec()], torch.device("cpu"), wires)  # type: ignore[list-item]
+    assert not comm.distributed and not comm.groups and not dist.is_initialized()
+    sent = [torch.randn(2, 3), torch.tensor([4, 5])]
+    comm.send(Action(0, Op.SEND_F, 1, peer=1), sent)
+    got = comm.wait(Action(1, Op.RECV_F, 1, peer=0))
+    assert all(torch.equal(a, b) for a, b in zip(got, sent))
+    other = comm.wait(Action(1, Op.RECV_F, 3, peer=0))  # a unit nobody sent: the cut's last wires
+    assert all(torch.equal(a, b) for a, b in zip(other, sent))
+    g1 = comm.wait(Action(0, Op.RECV_B, 1, peer=1))
+    g2 = comm.wait(Action(0, Op.RECV_B, 2, peer=1))
+    assert [tuple(g.shape) for g in g1] == [(2, 3)]
+    assert torch.equal(g1[0], g2[0]) and bool(torch.isfinite(g1[0]).all())
+    assert 0 < float(g1[0].abs().max()) < 10 * STAND_IN_GRADIENT
+
+
+def mlp_candidate(schedule: str, m: int, replicas: list[int]) -> tuple[CandidateRehearsal, Candidate]:
+    cfg = TrainConfig.of(model="mlp", model_options=dict(TINY_OPTIONS["mlp"], depth=4, width=64), batch_size=8,
+                         workers=sum(replicas), threads=1)
+    spec = get_schedule(schedule)
+    unit = 8 // (1 if spec.unit == "minibatch" else m)
+    _, captured = _load_captured(cfg, unit)
+    plan = split_by_config(captured, replicas, "mlp", 8)
+    return CandidateRehearsal(cfg, sum(replicas), 8), Candidate(schedule, m, plan, 1.0)
+
+
+@pytest.mark.parametrize("schedule, m, halves", [("flush", 2, False), ("zerobubble", 2, True),
+                                                  ("pipedream", 1, False)])
+def test_a_rehearsal_times_what_each_stage_runs(schedule: str, m: int, halves: bool) -> None:
+    rehearsal, cand = mlp_candidate(schedule, m, [1, 1])
+    run = rehearsal.run_of(cand)
+    assert (run.config.parallel.schedule, run.microbatches, run.plan) == (schedule, m, cand.plan)
+    got = rehearse(run)
+    assert got.ranks == (0, 1) and len(got.stages) == 2
+    units = 1 if get_schedule(schedule).unit == "minibatch" else m
+    assert got.forwards == ((run.schedule.steps - 1) * units,) * 2  # all but the first minibatch
+    for u in got.stages:
+        assert u.forward > 0 and u.step is not None and u.step > 0
+        if halves:
+            assert u.backward is None and u.input is not None and u.weight is not None and u.weight > 0
+        else:
+            assert u.backward is not None and u.backward > 0 and u.input is None and u.weight is None
+
+
+def test_a_replicated_stage_is_rehearsed_once() -> None:
+    rehearsal, cand = mlp_candidate("dp", 2, [2])
+    got = rehearse(rehearsal.run_of(cand))
+    assert got.ranks == (0,) and len(got.stages) == 1 and got.stages[0].backward is not None
+
+
+def test_a_hugging_face_model_with_a_tied_embedding_is_rehearsed_from_its_directory(tmp_path: Path) -> None:
+    pytest.importorskip("transformers")
+    from test_hf_dir import llama
+
+    path = llama(tmp_path, tie=True)
+    cfg = TrainConfig.of(model=f"hf:{path}", model_options={"seq_len": 16}, batch_size=4, workers=2, threads=1)
+    _, captured = _load_captured(cfg, 2)
+    plan = split_by_config(captured, [1, 1], "llama", 4)
+    rehearsal = CandidateRehearsal(cfg, 2, 4)
+    assert [len(list(rehearsal(Candidate("flush", 2, plan, 1.0))))] == [2]
