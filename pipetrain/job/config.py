@@ -595,9 +595,12 @@ class PerformanceSection:
     tune_malloc: bool = setting(True, "leave glibc's malloc thresholds alone (by default freed memory is kept for "
                                       "reuse, see runtime.process.rss.tune_malloc)", flag="--no-malloc-tuning",
                                 kind="false")
-    bucket_mb: float = setting(25.0, "MiB per all-reduce bucket of a replicated stage's gradients, started in the "
-                                     "group's last backward as each fills (DDP's bucket_cap_mb; the first bucket "
-                                     "1 MiB; 0: one all-reduce after the backward)", type=float)
+    bucket_mb: float | None = setting(None, "MiB per all-reduce bucket of a replicated stage's gradients, started "
+                                            "in the group's last backward as each fills (DDP's bucket_cap_mb; the "
+                                            "first bucket 1 MiB; 0: one all-reduce after the backward; default: 25, "
+                                            "or 0 when every rank is on one host whose cores the ranks' threads "
+                                            "fill: gloo's all-reduce is then CPU work taken from the backward)",
+                                      type=float)
     fused_grads: bool = setting(True, "accumulate Linear weight gradients through autograd (by default the "
                                       "backward's GEMM adds them into the accumulator in place)",
                                 flag="--no-fused-grads", kind="false")
@@ -617,7 +620,7 @@ class PerformanceSection:
         if self.threads is not None:
             _positive_int("threads", self.threads)
         _positive_int("lookahead", self.lookahead)
-        if not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb >= 0):
+        if self.bucket_mb is not None and not (isinstance(self.bucket_mb, (int, float)) and self.bucket_mb >= 0):
             raise RuntimeConfigError(f"--bucket-mb must be >= 0 MiB, got {self.bucket_mb!r}; pass e.g. --bucket-mb 25 "
                                      f"(0: one all-reduce after the backward)")
 

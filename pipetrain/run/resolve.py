@@ -46,7 +46,7 @@ from ..plan.types import Plan
 log = logging.getLogger(__name__)
 
 __all__ = ["resolve_run", "resolve_with_bundle", "resolve_batch_size", "implied_workers", "ONE_PROCESS_NOTE",
-           "resolve_data", "resolve_length", "segment_plan", "inner_evals"]
+           "resolve_data", "resolve_length", "segment_plan", "inner_evals", "bucket_mb", "OVERLAP_BUCKET_MB"]
 
 ONE_PROCESS_NOTE = "one process (plain training with torch.optim)"
 
@@ -209,6 +209,33 @@ def _check_layers(cfg: TrainConfig, workers: int, layers: int) -> None:
             if v == 1 else
             f"--config {par.config} with {v} stages per rank has {n} stages but model {cfg.model.name} has only "
             f"{layers} layers; use at most {max(1, layers // v)} ranks")
+
+
+#: DDP's ``bucket_cap_mb``: the buckets when the all-reduce does not take the backward's cores.
+OVERLAP_BUCKET_MB = 25.0
+
+
+def bucket_mb(cfg: TrainConfig, workers: int, world: int | None) -> float:
+    """The run's all-reduce buckets (``--bucket-mb``; when not given: decided here, once).
+
+    Overlapping a replicated stage's all-reduce with its backward (DDP's buckets) pays when the
+    all-reduce has resources of its own: NCCL on a GPU, or a network between hosts whose
+    transfers the CPU only waits for. On one host whose cores the ranks' threads fill, gloo's
+    all-reduce over loopback is CPU work (copies and sums) taken from the backward it overlaps:
+    measured here (2 cores, 2 ranks) the GPT's ``dp`` ran 7-12% slower with 25 MiB buckets than
+    with none, a T5's 4% (docs/performance.md). So: 25 MiB, or 0 when every rank is on this
+    host and ranks x threads >= its cores."""
+    import os
+
+    given = cfg.performance.bucket_mb
+    if given is not None:
+        return float(given)
+    if cfg.parallel.device == "cuda" or not _one_host():
+        return OVERLAP_BUCKET_MB
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or workers) if world is not None else workers
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    threads = cfg.performance.threads or cores
+    return OVERLAP_BUCKET_MB if local * threads < cores else 0.0
 
 
 def _one_host() -> bool:
@@ -525,6 +552,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     options = par.schedule_options
     workers = world if world is not None else (par.workers or implied_workers(cfg) or 1)
     _check_workers(cfg, workers)
+    cfg = cfg.replace(bucket_mb=bucket_mb(cfg, workers, world))
     batch = resolve_batch_size(cfg)
     auto = None
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here

@@ -255,7 +255,7 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedule.stage_ranks[k]),
                               device, fuse_linear=fuse, recompute=k in run.recompute_stages,
                               precision=cfg.training.precision,
-                              bucket_bytes=int(cfg.performance.bucket_mb * 2 ** 20)) for k in mine}
+                              bucket_bytes=int((cfg.performance.bucket_mb or 0.0) * 2 ** 20)) for k in mine}
     first_nodes = stage_first_nodes(run.plan, [n.name for n in captured.graph.nodes if n.is_input])  # type: ignore[arg-type]
     first_modules = {n.name: (node_modules(n) or [""])[-1] for n in captured.gm.graph.nodes}
     # every stage's all-reduce buffers and the ties across stages: what the traffic prediction needs
