@@ -67,8 +67,9 @@ if TYPE_CHECKING:
     from ..schedule.traffic import TiedBuffer
     from ..simulate.costs import MeasuredUnit
 
-__all__ = ["Candidate", "AutoChoice", "Rehearse", "REHEARSALS", "choose", "choose_on_profile", "microbatch_candidates",
-           "scale_profile", "sample_shapes", "stage_parameters", "plan_ties", "STEP_SAMPLE_ELEMENTS"]
+__all__ = ["Candidate", "AutoChoice", "Rehearse", "REHEARSALS", "REHEARSAL_MAX_BYTES", "choose", "choose_on_profile",
+           "microbatch_candidates", "scale_profile", "sample_shapes", "stage_parameters", "plan_ties",
+           "STEP_SAMPLE_ELEMENTS"]
 
 #: A function giving the captured model and one unit of inputs at ``samples`` samples.
 ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
@@ -89,6 +90,9 @@ class Rehearse(Protocol):
 #: The most candidates rehearsed, fastest first by the profile's prediction (step 5 of the
 #: module docstring): a rehearsal costs a short run of every rank.
 REHEARSALS = 4
+#: A candidate whose rank would hold more weights than this is not rehearsed: the launcher
+#: would hold them, their gradients and optimizer state (its profile's prediction stands).
+REHEARSAL_MAX_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -416,8 +420,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             tied = plan_ties(captured.gm, plan)
         except PipetrainError as e:  # the workers could not partition the graph so
             return Candidate(name, m, plan, None, str(e))
-        predict = _Predictor(plan, scale_profile(unit_prof, units, batch_size), cal, name, m,
-                             [steps_of(captured.gm, list(s.nodes)) for s in plan.stages], tied, key)
+        predict = _Predictor.of(plan, scale_profile(unit_prof, units, batch_size), cal, name, m, captured.gm,
+                                steps_of, tied, key)
         pred = predict()
         t = float(pred["time_per_minibatch"])
         out = Candidate(name, m, plan, t, stage_unit_seconds=tuple(pred["stage_unit_seconds"]),
@@ -446,6 +450,16 @@ class _Predictor:
     step_time: list[float]
     tied: tuple[TiedBuffer, ...]
     key: dict[str, Any] | None
+    rank_bytes: int  # the weights of the plan's largest stage
+
+    @staticmethod
+    def of(plan: Plan, profile: Profile, cal: Calibration, schedule: str, microbatches: int, gm: Any,
+           steps_of: Callable[[Any, Sequence[str]], float], tied: tuple[TiedBuffer, ...],
+           key: dict[str, Any] | None) -> _Predictor:
+        """The predictor of ``plan`` on the captured graph ``gm`` (each stage's STEP timed by ``steps_of``)."""
+        stages = [list(s.nodes) for s in plan.stages]
+        return _Predictor(plan, profile, cal, schedule, microbatches, [steps_of(gm, n) for n in stages], tied, key,
+                          max(_nbytes(stage_parameters(gm, n)) for n in stages))
 
     def __call__(self, measured: Sequence[MeasuredUnit] | None = None) -> dict[str, Any]:
         from ..simulate.calibrated import predict_run
@@ -471,6 +485,11 @@ def _rehearsed(out: list[Candidate], rehearse: Rehearse, predictors: Mapping[int
         if (c.predicted_time or 0.0) > best * (1.0 + TIE_TOLERANCE):
             break
         predict = predictors[id(c)]
+        if predict.rank_bytes > REHEARSAL_MAX_BYTES:
+            mib = predict.rank_bytes / 2**20
+            done[id(c)] = replace(c, rehearsal_note=f"not rehearsed: a rank would hold {mib:.0f} MiB of weights, above "
+                                                    f"the {REHEARSAL_MAX_BYTES >> 20} MiB a rehearsal holds here")
+            continue
         what = {"schedule": c.schedule, "microbatches": c.microbatches,
                 "stages": [list(s.nodes) for s in predict.plan.stages], "replicas": list(predict.plan.replicas),
                 "runtime": dict(rehearse.settings)}
@@ -485,6 +504,10 @@ def _rehearsed(out: list[Candidate], rehearse: Rehearse, predictors: Mapping[int
                               rehearsed=True)
         best = min(best, t)
     return [done.get(id(c), c) for c in out]
+
+
+def _nbytes(tensors: Sequence[Any]) -> int:
+    return sum(int(t.numel()) * int(t.element_size()) for t in tensors)
 
 
 def _listed(rehearse: Rehearse, candidate: Candidate) -> list[MeasuredUnit]:
@@ -616,15 +639,16 @@ def _each(names: Sequence[str], workers: int, batch: int, microbatches: int | No
 
 
 def _best(out: list[Candidate], fix: str) -> Candidate:
-    """The pick among the runnable candidates: the rehearsed ones when any were (a profile
-    predicts low, so a rehearsed prediction is not compared with one that was not)."""
+    """The pick among the runnable candidates: those the choice tried to rehearse, when it
+    tried any (a profile predicts low: a candidate left out for its profile prediction is not
+    compared with rehearsed ones; one that could not be rehearsed keeps its profile's)."""
     from ..errors import PlanError
 
     runnable = [c for c in out if c.predicted_time is not None]
     if not runnable:
         raise PlanError("no configuration could be planned for --schedule auto: "
                         + "; ".join(c.line() for c in out) + f"; {fix}")
-    return pick([c for c in runnable if c.rehearsed] or runnable)
+    return pick([c for c in runnable if c.rehearsed or c.rehearsal_note] or runnable)
 
 
 #: Predictions closer than this to the fastest are a tie (module docstring, 4): the

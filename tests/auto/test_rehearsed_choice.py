@@ -144,3 +144,18 @@ def test_rehearsals_are_kept_in_the_measurement_cache(tmp_path: Path, monkeypatc
     other.settings = {"fake": 2}  # another runtime setting: rehearsed again
     choose(model_at, rehearse=other, cache=MeasurementCache(), cache_key={"model": "mlp"}, **kwargs())
     assert other.asked
+
+
+def test_a_rank_too_large_for_the_launcher_is_not_rehearsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rehearsal holds a rank's weights, gradients and optimizer state in the launcher: a
+    candidate whose largest stage holds more than ``REHEARSAL_MAX_BYTES`` keeps its profile's
+    prediction, says why, and can still be chosen."""
+    import pipetrain.auto.choose as choose_module
+
+    monkeypatch.setattr(choose_module, "REHEARSAL_MAX_BYTES", 0)
+    fake = FakeRehearse({})
+    choice = choose(model_at, rehearse=fake, **kwargs())
+    assert not fake.asked and not any(c.rehearsed for c in choice.candidates)
+    noted = [c for c in choice.candidates if c.rehearsal_note]
+    assert noted and all("not rehearsed: a rank would hold" in (c.rehearsal_note or "") for c in noted)
+    assert choice.best in noted
