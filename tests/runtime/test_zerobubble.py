@@ -190,3 +190,27 @@ def test_zerobubble_trains_like_one_process() -> None:
             err = float((res.state[n].float() - t.float()).abs().max() / (t.float().abs().max() + 1e-6))
             assert err <= 1e-5, (k, n, err)
         assert res.losses == pytest.approx(ref.losses, rel=1e-5), k
+
+
+def test_the_sink_layers_weight_passes_share_one_autograd_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W runs the groups of fused layers (their backward skips the input gradient in W) in one
+    autograd call and every other group in its own: fewer calls, the same gradients."""
+    import pipetrain.runtime.engine.split_backward as sb
+
+    m, names, params, sink, fused = _setup(True)
+    x = torch.randn(4, 8, requires_grad=True)
+    gouts = [torch.randn(4, 8), torch.randn(8)]
+    weights = [params[n] for n in names]
+    _, work = backward_input(list(functional_call(m, params, (x,))), gouts, [x], weights, sink)
+    aware = [all(sb.phase_aware(n) for n in g.frontier) for g in work.groups]
+    assert sum(aware) >= 2 and not all(aware)  # fused linears, and the LayerNorm's own group
+    calls: list[int] = []
+    real = torch.autograd.grad
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sb.torch.autograd, "grad", counted)
+    backward_weight(work, sink)
+    assert len(calls) == 1 + aware.count(False)

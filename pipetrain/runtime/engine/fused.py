@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["GradSink", "AccumulatingEmbedding", "AccumulatingLinear", "FusedEmbeddingCall", "FusedLinearCall",
-           "exclusive_writes", "install"]
+__all__ = ["PHASE_AWARE", "GradSink", "AccumulatingEmbedding", "AccumulatingLinear", "FusedEmbeddingCall",
+           "FusedLinearCall", "exclusive_writes", "install"]
 
 
 class GradSink:
@@ -168,6 +168,11 @@ class _EmbeddingAccumulate(torch.autograd.Function):
         if sink.probe is not None:
             sink.probe.add_(rows.sum())
         return None, None, None, None, None
+
+
+#: The autograd functions whose backward follows the sink's phase: in W ("weight") they
+#: compute no input gradient (split_backward.py batches their weight passes).
+PHASE_AWARE = (_LinearAccumulate, _EmbeddingAccumulate)
 
 
 def _plain(x: Tensor, weight: Tensor) -> bool:

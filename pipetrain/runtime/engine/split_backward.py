@@ -39,9 +39,9 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from .fused import GradSink
+from .fused import PHASE_AWARE, GradSink
 
-__all__ = ["WeightWork", "backward_input", "backward_weight"]
+__all__ = ["WeightWork", "backward_input", "backward_weight", "phase_aware"]
 
 
 def _node_of(t: Tensor) -> Node | None:
@@ -212,6 +212,11 @@ def backward_input(outs: Sequence[Tensor], gouts: Sequence[Tensor] | None, input
     return list(grads), work
 
 
+def phase_aware(node: Node) -> bool:
+    """Whether ``node`` is a sink layer's backward, which computes no input gradient in W."""
+    return getattr(node, "_forward_cls", None) in PHASE_AWARE
+
+
 def backward_weight(work: WeightWork, sink: GradSink | None = None) -> list[Tensor | None]:
     """W: the gradients of the weights given to :func:`backward_input` (aligned with them;
     None for a weight with none, or one whose gradient the sink received)."""
@@ -235,27 +240,36 @@ def backward_weight(work: WeightWork, sink: GradSink | None = None) -> list[Tens
     if sink is not None:
         sink.phase = "weight"
     try:
-        for g in work.groups:
+        # The groups whose frontier nodes all skip their input gradient in the weight phase
+        # (the sink's layers, fused.py) share one pass; each other group has its own, since
+        # a plain node (a linear's AddmmBackward) reached from another group's frontier
+        # would compute an input gradient nobody needs (a GEMM a plain backward does not run).
+        aware = [all(phase_aware(n) for n in g.frontier) for g in work.groups]
+        batches = [[g for g, a in zip(work.groups, aware) if a]] + [[g] for g, a in zip(work.groups, aware) if not a]
+        for batch in batches:
             edges: list[GradientEdge] = []
             grads: list[Tensor] = []
+            wanted: list[int] = []
             current.clear()
-            for node in g.frontier:
-                k = kept.get(node)
-                if k is None:  # the pass to the inputs never reached it: no gradient flows here
-                    continue
-                current.add(node)
-                for i, t in enumerate(k):
-                    if t is not None:
-                        edges.append(GradientEdge(node, i))
-                        grads.append(t)
-            for o, go in g.roots:
-                edges.append(get_gradient_edge(o))
-                grads.append(go)
-            if not edges:
+            for g in batch:
+                for node in g.frontier:
+                    k = kept.get(node)
+                    if k is None:  # the pass to the inputs never reached it: no gradient flows here
+                        continue
+                    current.add(node)
+                    for i, t in enumerate(k):
+                        if t is not None:
+                            edges.append(GradientEdge(node, i))
+                            grads.append(t)
+                for o, go in g.roots:
+                    edges.append(get_gradient_edge(o))
+                    grads.append(go)
+                wanted += g.params
+            if not edges or not wanted:
                 continue
-            ps = [work.params[i] for i in g.params]
-            res = torch.autograd.grad(edges, ps, grad_outputs=grads, retain_graph=True, allow_unused=True)
-            for i, r in zip(g.params, res):
+            res = torch.autograd.grad(edges, [work.params[i] for i in wanted], grad_outputs=grads,
+                                      retain_graph=True, allow_unused=True)
+            for i, r in zip(wanted, res):
                 out[i] = r
     finally:
         if sink is not None:
