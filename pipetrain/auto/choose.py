@@ -31,17 +31,28 @@ measured costs and returns the fastest:
    the same simulator and steady-state definition as ``pipetrain simulate`` and the runtime;
    tensors tied across the plan's stages, :func:`plan_ties`, make their holders' STEPs meet
    for the gradients' all-reduce, as the runtime's exchange does).
-   The fastest prediction wins, except that predictions within :data:`TIE_TOLERANCE` (5%)
-   of the fastest count as a tie, below the simulator's measured error; a tie goes to data
-   parallelism, then a synchronous schedule, then an asynchronous one (stale weights cost
-   statistical efficiency, so a gain the prediction cannot show is not worth them). On the
-   GPT model here dp, 2bw and pipedream are predicted within 3% of each other and measure
-   in a different order from run to run (pipedream's whole-batch units suffer most from the
-   other process on the shared memory bus); dp is chosen.
+5. **Rehearse the fastest.** A profile times the graph, not what a worker runs around it:
+   binding a weight version per call, the fused gradient sinks, the numerics checks, the
+   loss, a zero-bubble backward's two autograd passes (1.4x the whole backward on a T5's
+   1-sample units). So the candidates are taken in the order of their profile predictions
+   and each is rehearsed (``rehearse``, the run layer's :class:`Rehearse`:
+   :mod:`pipetrain.runtime.rehearsal` runs every rank's own actions with the executor, one
+   rank at a time, here), and predicted again with each stage's measured F, B (or I and W)
+   and STEP in place of the profile's, while the next candidate's profile prediction is
+   within :data:`TIE_TOLERANCE` of the fastest rehearsed one (a profile predicts low, so one
+   already slower stays slower), at most :data:`REHEARSALS`. A candidate whose rank would
+   hold more than :data:`REHEARSAL_MAX_BYTES` of weights, or whose rehearsal fails, keeps
+   its profile's prediction and says why.
+6. **Pick.** Among the candidates the choice rehearsed or tried to (all of them without a
+   rehearsal), the fastest prediction wins, except that predictions within
+   :data:`TIE_TOLERANCE` (5%) of the fastest count as a tie, below the simulator's measured
+   error; a tie goes to data parallelism, then a synchronous schedule, then an asynchronous
+   one (stale weights cost statistical efficiency, so a gain the prediction cannot show is
+   not worth them).
 
-What the prediction leaves out: the runtime's per-action overhead beyond the profiled
-operators, cache effects between processes sharing cores, and gloo's CPU time competing with
-compute on the same cores; ``docs/planner.md`` reports the measured errors.
+What the prediction leaves out: transfers and all-reduces slower inside a run than in the
+calibration, cache effects between processes sharing cores, and gloo's CPU time competing
+with compute on the same cores; ``docs/performance.md`` reports the measured errors.
 
 The choice is made once, in the launcher (or by rank 0 under an outer torchrun), and handed
 to every worker inside the resolved run, like any plan.
@@ -651,7 +662,7 @@ def _best(out: list[Candidate], fix: str) -> Candidate:
     return pick([c for c in runnable if c.rehearsed or c.rehearsal_note] or runnable)
 
 
-#: Predictions closer than this to the fastest are a tie (module docstring, 4): the
+#: Predictions closer than this to the fastest are a tie (module docstring, 6): the
 #: simulator's error against measured runs is 2-12% here (docs/performance.md), so a smaller
 #: difference says nothing about which runs faster.
 TIE_TOLERANCE = 0.05
