@@ -1,14 +1,15 @@
-"""The simulator's time per minibatch of each pipetrain configuration, beside the measured one.
+"""The time per minibatch pipetrain predicts for each measured configuration, beside the measured one.
 
 For a run's resolved plan (its ``--json`` object carries it, so ``auto`` is predicted for
-what the planner chose) the prediction is ``pipetrain.simulate.simulate`` of the run's
-schedule on :meth:`StageCosts.from_plan` with a profile *measured here at the run's unit
-size* (``pipetrain.profile.profile_captured`` on ``batch / units`` samples, one thread; a
-PipeDream unit is the whole minibatch): per-node times do not scale linearly with the unit
-size on a CPU, so each unit size gets its own profile (cached). Each stage's optimizer step
-is timed on tensors of its weights' sizes (SGD: one ``_foreach_add_``). Communication uses a
-flat topology of the run's workers at ``pipetrain.plan.quick.LOCAL_BANDWIDTH`` unless the plan
-carries its own topology.
+what the planner chose) the prediction is the automatic choice's own method
+(``pipetrain.auto.choose``, steps 4-5): the configuration rehearsed as its workers run it
+(``pipetrain.run.rehearse.CandidateRehearsal``: every rank's actions, timed in this
+process) and simulated on those unit times (``pipetrain.simulate.calibrated.predict_run``)
+with a loopback calibration measured here at the run's number of ranks; the bytes on the
+wires come from a profile measured here at the run's unit size. Should a rehearsal fail,
+the profile alone is simulated, as before rehearsals existed (``source`` says which): a
+flat topology at ``pipetrain.auto.quick.LOCAL_BANDWIDTH``, each stage's optimizer step
+timed on tensors of its weights' sizes.
 
 The measured counterpart is the run's steady-state time per minibatch
 (``batch / samples_per_second_steady``), the definition the simulator's
@@ -41,6 +42,7 @@ class TimePredictor:
         self.captured = capture(bm.model, self.inputs)
         self.profiles: dict[int, Any] = {}
         self.step_times: dict[tuple[str, ...], float] = {}
+        self.calibrations: dict[int, Any] = {}
 
     def profile(self, samples: int) -> Any:
         """The profile of the model on units of ``samples`` samples (measured once)."""
@@ -73,12 +75,18 @@ class TimePredictor:
             self.step_times[key] = sorted(runs)[2]
         return self.step_times[key]
 
+    def calibration(self, ranks: int) -> Any:
+        """A loopback calibration at ``ranks`` ranks of one thread (measured once)."""
+        if ranks not in self.calibrations:
+            from pipetrain.plan.calibrated import MEASURE, resolve_calibration
+
+            self.calibrations[ranks] = resolve_calibration(MEASURE, ranks=ranks, threads=1)
+        return self.calibrations[ranks]
+
     def predict(self, chosen: dict[str, Any], steps: int) -> dict[str, Any] | None:
-        """The simulator's figures for a run (``chosen``: :func:`pipetrain_cli.chosen_configuration`)."""
-        from pipetrain.auto.quick import LOCAL_BANDWIDTH
-        from pipetrain.plan.types import Plan, Topology
+        """pipetrain's prediction for a run (``chosen``: :func:`pipetrain_cli.chosen_configuration`)."""
+        from pipetrain.plan.types import Plan
         from pipetrain.schedule import get_schedule
-        from pipetrain.simulate import StageCosts, simulate
 
         if not chosen.get("plan") or not chosen.get("schedule"):
             return None
@@ -86,12 +94,42 @@ class TimePredictor:
         spec = get_schedule(chosen["schedule"])
         m = int(chosen.get("microbatches") or 1)
         units = 1 if spec.unit == "minibatch" else m
+        try:
+            return self._rehearsed(plan, spec.name, m, units)
+        except Exception as e:  # noqa: BLE001 - a configuration the rehearsal cannot run: the profile's figure
+            out = self._simulated(plan, spec, m, units, dict(chosen.get("schedule_options") or {}), steps)
+            out["source"] = f"profile (the rehearsal failed: {type(e).__name__}: {e})"
+            return out
+
+    def _rehearsed(self, plan: Any, schedule: str, m: int, units: int) -> dict[str, Any]:
+        from pipetrain.auto.choose import Candidate, plan_ties, scale_profile
+        from pipetrain.job import TrainConfig
+        from pipetrain.run.rehearse import CandidateRehearsal
+        from pipetrain.simulate.calibrated import predict_run
+
+        workers = plan.num_workers
+        cfg = TrainConfig.of(model=self.bm.pipetrain_spec, batch_size=self.bm.batch_size, workers=workers,
+                             threads=1, seed=self.seed)
+        measured = CandidateRehearsal(cfg, workers, self.bm.batch_size)(Candidate(schedule, m, plan, None))
+        profile = scale_profile(self.profile(self.bm.batch_size // units), units, self.bm.batch_size)
+        pred = predict_run(plan, profile, self.calibration(workers), schedule, microbatches=m,
+                           tied=plan_ties(self.captured.gm, plan), measured=measured)
+        return {"time_per_minibatch_s": pred["time_per_minibatch"], "unit_samples": self.bm.batch_size // units,
+                "config": plan.config, "schedule": schedule, "microbatches": m,
+                "stage_unit_seconds": pred["stage_unit_seconds"],
+                "source": "rehearsal + loopback calibration (pipetrain.auto.choose's method)"}
+
+    def _simulated(self, plan: Any, spec: Any, m: int, units: int, options: dict[str, Any],
+                   steps: int) -> dict[str, Any]:
+        from pipetrain.auto.quick import LOCAL_BANDWIDTH
+        from pipetrain.plan.types import Topology
+        from pipetrain.simulate import StageCosts, simulate
+
         samples = self.bm.batch_size // units
         topo = plan.topology or Topology.flat(plan.num_workers, LOCAL_BANDWIDTH)
         costs = StageCosts.from_plan(plan, self.profile(samples), topo, units=1)
         costs = replace(costs, stages=[replace(c, step_time=self.step_time(list(st.nodes)))
                                        for c, st in zip(costs.stages, plan.stages)])
-        options = dict(chosen.get("schedule_options") or {})
         period = math.lcm(*plan.replicas)  # pipedream: steps a multiple of every replica count
         sched = spec.build(plan.replicas, microbatches=m, steps=-(-max(steps, 3) // period) * period, **options)
         sim = simulate(sched, costs)

@@ -242,7 +242,7 @@ def _predictions(cfg: Config, ms: list[Measurement], facts: ModelFacts,
     measured = median_or_none([t for t in times if t])
     sim = facts.time_predicted.get(cfg.name)
     predicted = sim["time_per_minibatch_s"] if sim else None
-    source = "benchmark simulator (measured profile at the unit size)" if sim else None
+    source = sim.get("source", "benchmark simulator (measured profile at the unit size)") if sim else None
     if cfg.schedule == AUTO and ok:  # the planner's own figure, when the CLI reports one
         own = cli_prediction(ok[-1].extra)
         if own is not None:
