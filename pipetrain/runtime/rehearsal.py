@@ -44,6 +44,7 @@ from torch import Tensor
 from ..graph.held import trim_heap
 from ..job.model import build_stages
 from ..job.resolved import ResolvedRun
+from ..profile.profiler import num_threads
 from ..schedule.action import Action, Op, Schedule
 from ..simulate.costs import MeasuredUnit
 from ..stages.boundary import BoundaryCodec
@@ -137,8 +138,15 @@ def rehearsal_ranks(schedule: Schedule) -> list[int]:
 
 
 def rehearse(run: ResolvedRun) -> Rehearsal:
-    """Rehearse ``run``'s timed schedule (module docstring); the device is the CPU, or the
-    run's (``--device cuda``: the first GPU)."""
+    """Rehearse ``run``'s timed schedule (module docstring) at its workers' torch threads
+    (``--threads``; the caller's restored after); the device is the CPU, or the run's
+    (``--device cuda``: the first GPU)."""
+    threads = run.config.performance.threads
+    with num_threads(threads if run.config.parallel.device != "cuda" else None):
+        return _rehearse(run)
+
+
+def _rehearse(run: ResolvedRun) -> Rehearsal:
     t0 = time.perf_counter()
     schedule = run.schedule
     times: dict[tuple[int, Op], list[float]] = {}

@@ -123,3 +123,25 @@ def test_a_hugging_face_model_with_a_tied_embedding_is_rehearsed_from_its_direct
     cand = Candidate("flush", 2, plan, 1.0)
     assert rehearsal.run_of(cand).model is not None  # its workers' own path: the launcher's capture, shipped
     assert len(list(rehearsal(cand))) == 2
+
+
+def test_a_rehearsal_runs_at_its_workers_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Workers compute with ``--threads``; so does their rehearsal, whatever the caller's
+    setting, which is restored after (a benchmark rehearsing at 2 threads predicted half the time)."""
+    import pipetrain.runtime.rehearsal as rh
+
+    seen: list[int] = []
+    real = rh.Executor.run
+
+    def spy(self: object, actions: object) -> None:
+        seen.append(torch.get_num_threads())
+        real(self, actions)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rh.Executor, "run", spy)
+    rehearsal, cand = mlp_candidate("flush", 2, [1, 1])
+    torch.set_num_threads(2)
+    try:
+        rehearse(rehearsal.run_of(cand))
+        assert seen == [1, 1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(1)
