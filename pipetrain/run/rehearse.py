@@ -76,6 +76,7 @@ class CandidateRehearsal:
         cfg = self.cfg.replace(schedule=candidate.schedule, microbatches=candidate.microbatches, auto=False,
                                steps=steps, epochs=None, warmup_steps=0, eval_every=None, checkpoint_every=None,
                                target_accuracy=None, target_loss=None)
+        steps = cfg.training.steps or steps  # as the config took it (the docs' fast mode caps steps)
         options = dict(cfg.parallel.schedule_options)  # the candidate schedule's own
         schedule = cfg.spec.build(replicas, candidate.microbatches, steps, **options)
         run = ResolvedRun(cfg, self.workers, self.batch, candidate.microbatches, plan, "rehearsal", options,
