@@ -44,7 +44,6 @@ from torch import Tensor
 from ..graph.held import trim_heap
 from ..job.model import build_stages
 from ..job.resolved import ResolvedRun
-from ..profile.profiler import num_threads
 from ..schedule.action import Action, Op, Schedule
 from ..simulate.costs import MeasuredUnit
 from ..stages.boundary import BoundaryCodec
@@ -142,8 +141,14 @@ def rehearse(run: ResolvedRun) -> Rehearsal:
     (``--threads``; the caller's restored after); the device is the CPU, or the run's
     (``--device cuda``: the first GPU)."""
     threads = run.config.performance.threads
-    with num_threads(threads if run.config.parallel.device != "cuda" else None):
+    if threads is None or run.config.parallel.device == "cuda":  # as runtime.process.setup leaves them
         return _rehearse(run)
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _rehearse(run)
+    finally:
+        torch.set_num_threads(old)
 
 
 def _rehearse(run: ResolvedRun) -> Rehearsal:
