@@ -43,8 +43,9 @@ measured costs and returns the fastest:
    already slower stays slower), at most :data:`REHEARSALS`. A candidate whose rank would
    hold more than :data:`REHEARSAL_MAX_BYTES` of weights, or whose rehearsal fails, keeps
    its profile's prediction and says why.
-6. **Pick.** Among the candidates the choice rehearsed or tried to (all of them without a
-   rehearsal), the fastest prediction wins, except that predictions within
+6. **Pick.** Among the candidates rehearsed or too large to rehearse (one whose rehearsal
+   failed ran its workers' own code and is left out; all of them when none is), the
+   fastest prediction wins, except that predictions within
    :data:`TIE_TOLERANCE` (5%) of the fastest count as a tie, below the simulator's measured
    error; a tie goes to data parallelism, then a synchronous schedule, then an asynchronous
    one (stale weights cost statistical efficiency, so a gain the prediction cannot show is
@@ -120,7 +121,8 @@ class Candidate:
     #: the prediction from the profile; ``predicted_time`` is the rehearsal's when ``rehearsed``
     profile_predicted_time: float | None = None
     rehearsed: bool = False
-    rehearsal_note: str | None = None     # why a rehearsal failed, when one did
+    rehearsal_note: str | None = None     # why it was not rehearsed, or why its rehearsal failed
+    rehearsal_failed: bool = False        # its rehearsal ran and failed (its workers would run the same code)
 
     @property
     def config(self) -> str:
@@ -131,7 +133,8 @@ class Candidate:
                 "predicted_time_per_minibatch": self.predicted_time, "why_not": self.why_not,
                 "stage_unit_seconds": [dict(c) for c in self.stage_unit_seconds],
                 "profile_predicted_time_per_minibatch": self.profile_predicted_time,
-                "rehearsed": self.rehearsed, "rehearsal_note": self.rehearsal_note}
+                "rehearsed": self.rehearsed, "rehearsal_note": self.rehearsal_note,
+                "rehearsal_failed": self.rehearsal_failed}
 
     def line(self) -> str:
         if self.predicted_time is None:
@@ -508,7 +511,8 @@ def _rehearsed(out: list[Candidate], rehearse: Rehearse, predictors: Mapping[int
             units = measured.rehearsal(predict.key, what, predict.plan.num_stages, partial(_listed, rehearse, c))
             pred = predict(units)
         except (PipetrainError, RuntimeError, ValueError) as e:  # the candidate keeps its profile prediction
-            done[id(c)] = replace(c, rehearsal_note=f"its rehearsal failed: {type(e).__name__}: {e}")
+            done[id(c)] = replace(c, rehearsal_note=f"its rehearsal failed: {type(e).__name__}: {e}",
+                                  rehearsal_failed=True)
             continue
         t = float(pred["time_per_minibatch"])
         done[id(c)] = replace(c, predicted_time=t, stage_unit_seconds=tuple(pred["stage_unit_seconds"]),
@@ -650,16 +654,18 @@ def _each(names: Sequence[str], workers: int, batch: int, microbatches: int | No
 
 
 def _best(out: list[Candidate], fix: str) -> Candidate:
-    """The pick among the runnable candidates: those the choice tried to rehearse, when it
-    tried any (a profile predicts low: a candidate left out for its profile prediction is not
-    compared with rehearsed ones; one that could not be rehearsed keeps its profile's)."""
+    """The pick among the runnable candidates: those rehearsed, and those too large to
+    rehearse, when there are any (a profile predicts low: a candidate left out for its
+    profile prediction is not compared with rehearsed ones, and one whose rehearsal failed,
+    running its workers' own code, is not chosen over one that ran); else all of them."""
     from ..errors import PlanError
 
     runnable = [c for c in out if c.predicted_time is not None]
     if not runnable:
         raise PlanError("no configuration could be planned for --schedule auto: "
                         + "; ".join(c.line() for c in out) + f"; {fix}")
-    return pick([c for c in runnable if c.rehearsed or c.rehearsal_note] or runnable)
+    tried = [c for c in runnable if c.rehearsed or (c.rehearsal_note and not c.rehearsal_failed)]
+    return pick(tried or runnable)
 
 
 #: Predictions closer than this to the fastest are a tie (module docstring, 6): the

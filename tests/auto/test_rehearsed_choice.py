@@ -159,3 +159,21 @@ def test_a_rank_too_large_for_the_launcher_is_not_rehearsed(monkeypatch: pytest.
     noted = [c for c in choice.candidates if c.rehearsal_note]
     assert noted and all("not rehearsed: a rank would hold" in (c.rehearsal_note or "") for c in noted)
     assert choice.best in noted
+
+
+def test_a_candidate_whose_rehearsal_failed_is_not_chosen_over_one_that_ran() -> None:
+    """The rehearsal runs the workers' own code: a candidate it could not run is not chosen
+    over a rehearsed one, however fast its profile says it is."""
+
+    class FailFirst(FakeRehearse):
+        def __call__(self, c: Candidate) -> list[MeasuredUnit]:
+            if not self.asked:  # the profile's fastest candidate
+                self.asked.append((c.schedule, c.microbatches))
+                raise RuntimeError("its stage 0 does not build")
+            return super().__call__(c)
+
+    fake = FailFirst({})
+    choice = choose(model_at, rehearse=fake, **kwargs())
+    (failed,) = [c for c in choice.candidates if c.rehearsal_failed]
+    assert (failed.schedule, failed.microbatches) == fake.asked[0]
+    assert len(fake.asked) >= 2 and choice.best.rehearsed and choice.best is not failed
