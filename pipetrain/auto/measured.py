@@ -47,12 +47,13 @@ class AutoMeasurements:
 
     def calibration(self, workers: int, measure: Callable[[], Calibration]) -> Calibration:
         """The loopback calibration at ``workers`` ranks (measured by ``measure`` on a miss)."""
-        from ..cluster.calibration import FIT_STATISTIC, Calibration
+        from ..cluster.calibration import ALLREDUCE_TIMED, FIT_STATISTIC, Calibration
 
         if self.cache is None:
             return measure()
         # the compute probe's threads; the fits' statistic (a calibration fitted otherwise: measured again)
-        key = {"ranks": workers, "threads": self.settings.get("threads"), "fit": FIT_STATISTIC}
+        key = {"ranks": workers, "threads": self.settings.get("threads"), "fit": FIT_STATISTIC,
+               "allreduce": ALLREDUCE_TIMED}
         cal, _ = self.cache.fetch("calibration", key, measure, lambda c: c.to_dict(),
                                   lambda d: Calibration.from_dict(d, "the measurement cache"))
         return cal

@@ -50,7 +50,7 @@ from typing import Any
 from .errors import CalibrationError
 
 __all__ = ["CALIBRATION_FORMAT", "CALIBRATION_VERSION", "LinkFit", "Sample", "Calibration", "fit_link",
-           "fit_samples", "FIT_STATISTIC", "load_calibration"]
+           "fit_samples", "FIT_STATISTIC", "ALLREDUCE_TIMED", "load_calibration"]
 
 CALIBRATION_FORMAT = "pipetrain-calibration"
 CALIBRATION_VERSION = 1
@@ -114,6 +114,9 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
 #: Which of a size's repetitions the fits use (a measurement cache keys calibrations by it, so
 #: one fitted otherwise is measured again).
 FIT_STATISTIC = "median"
+#: How the probe times an all-reduce (:mod:`pipetrain.cluster.gloo_probe`): part of the
+#: measurement cache's key, so a calibration timed otherwise is measured again.
+ALLREDUCE_TIMED = "after a compute burst on every rank, from rank 0's arrival"
 
 
 def fit_samples(samples: Sequence[Sample], kind: str) -> LinkFit:
