@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..auto.choose import Candidate
@@ -28,11 +28,6 @@ __all__ = ["CandidateRehearsal", "REHEARSAL_UNITS", "rehearsal_steps"]
 REHEARSAL_UNITS = 8
 #: ...in at most this many minibatches.
 REHEARSAL_MAX_STEPS = 16
-
-
-def run_unit(batch: int, cfg: TrainConfig) -> int:
-    """Samples per unit of ``cfg``'s schedule at minibatches of ``batch`` samples."""
-    return batch // (1 if cfg.spec.unit == "minibatch" else cfg.parallel.microbatches or 1)
 
 
 def rehearsal_steps(schedule: str, replicas: list[int], microbatches: int) -> int:
@@ -80,10 +75,9 @@ class CandidateRehearsal:
         options = dict(cfg.parallel.schedule_options)  # the candidate schedule's own
         schedule = cfg.spec.build(replicas, candidate.microbatches, steps, **options)
         run = ResolvedRun(cfg, self.workers, self.batch, candidate.microbatches, plan, "rehearsal", options,
-                          (Segment("timed", steps, schedule),), model=self._shipped(run_unit(self.batch, cfg),
-                                                                                     plan))
+                          (Segment("timed", steps, schedule),))
         run.check()
-        return run
+        return replace(run, model=self._shipped(run.unit_batch, plan))
 
     def _shipped(self, unit: int, plan: Any) -> Any:
         """The launcher's capture at ``unit`` samples as the workers of ``plan`` take it, or

@@ -50,9 +50,8 @@ from ..stages.boundary import BoundaryCodec
 from ..stages.partition import build_stage_modules
 from .engine.comm import Comm, message_specs
 from .engine.executor import Executor
-from .engine.optim import FunctionalOptimizer
 from .engine.precision import wire_dtype
-from .engine.stage_runtime import StageRuntime
+from .engine.stage_runtime import stage_runtimes
 from .engine.units import UnitData
 from .guards.numerics import NumericsGuard
 from .worker.forward_errors import ForwardErrors
@@ -184,9 +183,7 @@ def _rehearse_rank(run: ResolvedRun, rank: int, wires: _Wires, times: dict[tuple
     device = torch.device("cuda" if cfg.parallel.device == "cuda" else "cpu")
     staged = build_stages(run, mine)
     modules = build_stage_modules(staged.captured, staged.partition, staged.codecs, mine)
-    stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedule.stage_ranks[k]),
-                              device, fuse_linear=cfg.performance.fused_grads, recompute=k in run.recompute_stages,
-                              precision=cfg.training.precision, bucket_bytes=0) for k in mine}
+    stages = stage_runtimes(run, modules, device, bucket_bytes=0)  # no all-reduce: every rank alone
     comm = RehearsalComm(rank, schedule, staged.codecs, device, wires, wire_dtype(cfg.training.precision))
     bundle = staged.bundle
     del staged

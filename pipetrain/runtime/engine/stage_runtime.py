@@ -26,9 +26,9 @@ is dropped and the version advances unchanged (:meth:`StageRuntime.drop_group`).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -41,7 +41,10 @@ from .optim import FunctionalOptimizer, clip_coefficient, sum_of_squares
 from .precision import autocast
 from .versions import WeightVersions
 
-__all__ = ["FIRST_BUCKET_BYTES", "StageRuntime"]
+if TYPE_CHECKING:
+    from ...job.resolved import ResolvedRun
+
+__all__ = ["FIRST_BUCKET_BYTES", "StageRuntime", "stage_runtimes"]
 
 #: The first all-reduce bucket's cap, as DDP's (``dist._DEFAULT_FIRST_BUCKET_BYTES``): the
 #: backward's first finished parameters start their all-reduce early.
@@ -285,3 +288,16 @@ class StageRuntime:
         """Every tensor gradients accumulate in: the unfused accumulators, the flat all-reduce
         buffers and the fused layers' sink buffers."""
         return list(self._acc.values()) + list(self.flats.values()) + list(self.sink.buffers.values())
+
+
+def stage_runtimes(run: ResolvedRun, modules: Mapping[int, StageModule], device: torch.device,
+                   bucket_bytes: int) -> dict[int, StageRuntime]:
+    """The runtimes of a rank's stage ``modules`` as ``run`` trains them: its optimizer, each
+    stage's replica count, fused ``Linear`` gradients (split backwards too: the sink's phase
+    tells a layer which half runs, split_backward.py), recomputation and precision;
+    ``bucket_bytes``: the all-reduce buckets of replicated stages (0: one after the backward)."""
+    cfg = run.config
+    return {k: StageRuntime(m, FunctionalOptimizer(cfg.optimizer), len(run.schedule.stage_ranks[k]), device,
+                            fuse_linear=cfg.performance.fused_grads, recompute=k in run.recompute_stages,
+                            precision=cfg.training.precision, bucket_bytes=bucket_bytes)
+            for k, m in modules.items()}

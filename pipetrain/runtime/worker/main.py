@@ -62,9 +62,8 @@ from ..checkpoints.periodic import (
 from ..engine.comm import Comm, cut_bytes, reduce_buffers
 from ..engine.executor import Executor
 from ..engine.hooks import EngineHooks
-from ..engine.optim import FunctionalOptimizer
 from ..engine.precision import wire_dtype
-from ..engine.stage_runtime import StageRuntime
+from ..engine.stage_runtime import StageRuntime, stage_runtimes
 from ..engine.tied_sync import TiedSync
 from ..engine.units import UnitData, stage_part, unit_source
 from ..guards.numerics import NumericsGuard
@@ -249,13 +248,7 @@ def _setup(run: ResolvedRun, rank: int, device: torch.device) -> _Setup:
     if rank == 0:  # parameters no node reads: no stage holds them, checkpoints need them
         held = set(part.param_stage) | _buffer_names(captured)
         extras = {k: v.detach().clone() for k, v in staged.state_dict().items() if k not in held}
-    # Linear weight gradients straight into the accumulators (fused.py); split backwards
-    # (I and W) too: the sink's phase tells the layer which half runs (split_backward.py).
-    fuse = cfg.performance.fused_grads
-    stages = {k: StageRuntime(modules[k], FunctionalOptimizer(cfg.optimizer), len(schedule.stage_ranks[k]),
-                              device, fuse_linear=fuse, recompute=k in run.recompute_stages,
-                              precision=cfg.training.precision,
-                              bucket_bytes=int((cfg.performance.bucket_mb or 0.0) * 2 ** 20)) for k in mine}
+    stages = stage_runtimes(run, modules, device, int((cfg.performance.bucket_mb or 0.0) * 2 ** 20))
     first_nodes = stage_first_nodes(run.plan, [n.name for n in captured.graph.nodes if n.is_input])  # type: ignore[arg-type]
     first_modules = {n.name: (node_modules(n) or [""])[-1] for n in captured.gm.graph.nodes}
     # every stage's all-reduce buffers and the ties across stages: what the traffic prediction needs
