@@ -41,7 +41,8 @@ measured costs and returns the fastest:
    and STEP in place of the profile's, while the next candidate's profile prediction is
    within :data:`TIE_TOLERANCE` of the fastest rehearsed one (a profile predicts low, so one
    already slower stays slower), at most :data:`REHEARSALS`. A candidate whose rank would
-   hold more than :data:`REHEARSAL_MAX_BYTES` of weights, or whose rehearsal fails, keeps
+   hold more than :data:`REHEARSAL_MAX_BYTES` (the planner's memory rule for its schedule),
+   or whose rehearsal fails, keeps
    its profile's prediction and says why.
 6. **Pick.** Among the candidates rehearsed or too large to rehearse (one whose rehearsal
    failed ran its workers' own code and is left out; all of them when none is), the
@@ -79,9 +80,9 @@ if TYPE_CHECKING:
     from ..schedule.traffic import TiedBuffer
     from ..simulate.costs import MeasuredUnit
 
-__all__ = ["Candidate", "AutoChoice", "Rehearse", "REHEARSALS", "REHEARSAL_MAX_BYTES", "choose", "choose_on_profile",
-           "microbatch_candidates", "scale_profile", "sample_shapes", "stage_parameters", "plan_ties",
-           "STEP_SAMPLE_ELEMENTS"]
+__all__ = ["Candidate", "AutoChoice", "Rehearse", "REHEARSALS", "REHEARSAL_MAX_BYTES", "rehearsal_bytes", "choose",
+           "choose_on_profile", "microbatch_candidates", "scale_profile", "sample_shapes", "stage_parameters",
+           "plan_ties", "STEP_SAMPLE_ELEMENTS"]
 
 #: A function giving the captured model and one unit of inputs at ``samples`` samples.
 ModelAt = Callable[[int], "tuple[CapturedModel, tuple[Any, ...]]"]
@@ -102,9 +103,14 @@ class Rehearse(Protocol):
 #: The most candidates rehearsed, fastest first by the profile's prediction (step 5 of the
 #: module docstring): a rehearsal costs a short run of every rank.
 REHEARSALS = 4
-#: A candidate whose rank would hold more weights than this is not rehearsed: the launcher
-#: would hold them, their gradients and optimizer state (its profile's prediction stands).
-REHEARSAL_MAX_BYTES = 512 << 20
+#: A candidate whose rank would hold more than this is not rehearsed (its profile's
+#: prediction stands): the launcher holds what the rank's worker would, the bytes the
+#: planner's memory rule predicts for its schedule (plan/stage_memory.py: every weight
+#: version it keeps, their gradients, the optimizer's state, the units in flight). Measured
+#: rehearsing a 0.8 GB Llama's ranks on 4 stages: flush m=4 0.43-0.48 GiB above the launcher,
+#: 2bw m=4 0.64-0.71, pipedream 0.81-1.20 (its first stage stashes 4 weight versions; the
+#: rule predicts 1.56).
+REHEARSAL_MAX_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -464,16 +470,17 @@ class _Predictor:
     step_time: list[float]
     tied: tuple[TiedBuffer, ...]
     key: dict[str, Any] | None
-    rank_bytes: int  # the weights of the plan's largest stage
+    rank_bytes: float  # a worker's predicted bytes under the schedule, the largest of the plan's stages
 
     @staticmethod
     def of(plan: Plan, profile: Profile, cal: Calibration, schedule: str, microbatches: int, gm: Any,
            steps_of: Callable[[Any, Sequence[str]], float], tied: tuple[TiedBuffer, ...],
            key: dict[str, Any] | None) -> _Predictor:
-        """The predictor of ``plan`` on the captured graph ``gm`` (each stage's STEP timed by ``steps_of``)."""
+        """The predictor of ``plan`` on the captured graph ``gm`` (each stage's STEP timed by
+        ``steps_of``; a worker's bytes by the planner's memory rule of ``schedule``)."""
         stages = [list(s.nodes) for s in plan.stages]
         return _Predictor(plan, profile, cal, schedule, microbatches, [steps_of(gm, n) for n in stages], tied, key,
-                          max(_nbytes(stage_parameters(gm, n)) for n in stages))
+                          rehearsal_bytes(plan, profile, schedule, microbatches))
 
     def __call__(self, measured: Sequence[MeasuredUnit] | None = None) -> dict[str, Any]:
         from ..simulate.calibrated import predict_run
@@ -501,8 +508,9 @@ def _rehearsed(out: list[Candidate], rehearse: Rehearse, predictors: Mapping[int
         predict = predictors[id(c)]
         if predict.rank_bytes > REHEARSAL_MAX_BYTES:
             mib = predict.rank_bytes / 2**20
-            done[id(c)] = replace(c, rehearsal_note=f"not rehearsed: a rank would hold {mib:.0f} MiB of weights, above "
-                                                    f"the {REHEARSAL_MAX_BYTES >> 20} MiB a rehearsal holds here")
+            done[id(c)] = replace(c, rehearsal_note=f"not rehearsed: a rank would hold {mib:.0f} MiB (weights, "
+                                                    f"gradients, optimizer state, activations), above the "
+                                                    f"{REHEARSAL_MAX_BYTES >> 20} MiB a rehearsal may hold here")
             continue
         what = {"schedule": c.schedule, "microbatches": c.microbatches,
                 "stages": [list(s.nodes) for s in predict.plan.stages], "replicas": list(predict.plan.replicas),
@@ -521,8 +529,14 @@ def _rehearsed(out: list[Candidate], rehearse: Rehearse, predictors: Mapping[int
     return [done.get(id(c), c) for c in out]
 
 
-def _nbytes(tensors: Sequence[Any]) -> int:
-    return sum(int(t.numel()) * int(t.element_size()) for t in tensors)
+def rehearsal_bytes(plan: Plan, profile: Profile, schedule: str, microbatches: int) -> float:
+    """What rehearsing ``plan``'s largest rank holds in the launcher: a worker's bytes by the
+    planner's memory rule for ``schedule`` (plan/stage_memory.py: every weight version it
+    keeps, their gradients, the optimizer's state, the units in flight), compared with
+    :data:`REHEARSAL_MAX_BYTES`. ``profile``: one minibatch's."""
+    from ..plan.stage_memory import stage_memory
+
+    return max(stage_memory(profile, plan, memory_rule_of(schedule), microbatches))
 
 
 def _listed(rehearse: Rehearse, candidate: Candidate) -> list[MeasuredUnit]:

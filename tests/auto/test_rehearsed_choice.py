@@ -6,7 +6,9 @@
 - candidates are rehearsed in the order of their profile predictions, while one is within
   the tie tolerance of the fastest rehearsed so far, at most ``REHEARSALS``; the pick is made
   among the rehearsed; a failed rehearsal keeps the profile's prediction and says why;
-- rehearsals are kept in the measurement cache: a repeated choice rehearses nothing again.
+- rehearsals are kept in the measurement cache: a repeated choice rehearses nothing again;
+- a rank is rehearsed only when what its worker would hold (the planner's memory rule for
+  its schedule) fits ``REHEARSAL_MAX_BYTES``.
 """
 from __future__ import annotations
 
@@ -146,10 +148,31 @@ def test_rehearsals_are_kept_in_the_measurement_cache(tmp_path: Path, monkeypatc
     assert other.asked
 
 
+def test_a_rehearsals_bytes_are_what_the_rank_holds_under_its_schedule() -> None:
+    """What a rehearsal holds in the launcher is a worker's bytes by the planner's memory rule:
+    more than the weights and their gradients, and PipeDream's first stage, which stashes a
+    weight version per minibatch in flight, more than under flush (one version)."""
+    from pipetrain.auto.choose import rehearsal_bytes, scale_profile, stage_parameters
+    from pipetrain.plan.api import PlanOptions
+    from pipetrain.plan.calibrated import plan_with_calibration
+    from pipetrain.profile import profile_captured
+
+    captured, inputs = model_at(4)
+    prof = scale_profile(profile_captured(captured, inputs, batch_size=4, warmup=1, repeats=1), 4, 16)
+    plan = plan_with_calibration(prof, 2, make_cal(1000 * MBIT),
+                                 PlanOptions(schedule="flush", microbatches=4, use_all_workers=True))
+    assert plan.num_stages == 2
+    weights = max(sum(p.numel() * p.element_size() for p in stage_parameters(captured.gm, list(s.nodes)))
+                  for s in plan.stages)
+    flush = rehearsal_bytes(plan, prof, "flush", 4)
+    assert flush > 2 * weights
+    assert rehearsal_bytes(plan, prof, "pipedream", 1) > flush  # the same cut: the stashed version
+
+
 def test_a_rank_too_large_for_the_launcher_is_not_rehearsed(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rehearsal holds a rank's weights, gradients and optimizer state in the launcher: a
-    candidate whose largest stage holds more than ``REHEARSAL_MAX_BYTES`` keeps its profile's
-    prediction, says why, and can still be chosen."""
+    """A rehearsal holds what the rank's worker would (its weight versions, gradients,
+    optimizer state, activations): a candidate whose rank holds more than
+    ``REHEARSAL_MAX_BYTES`` keeps its profile's prediction, says why, and can still be chosen."""
     import pipetrain.auto.choose as choose_module
 
     monkeypatch.setattr(choose_module, "REHEARSAL_MAX_BYTES", 0)
