@@ -59,13 +59,13 @@ def _mib(model: torch.nn.Module) -> float:
 def _pretrained(cfg: TrainConfig, model: torch.nn.Module) -> TensorFiles | None:
     """The run's pretrained weights (``--init-from``, else an ``hf:DIR``'s files), checked
     against the model's names and shapes (their headers only), or ``None``."""
-    from ..models.pretrained import HF_PREFIX, TensorFiles, hf_directory
+    from ..models.pretrained import HF_PREFIX, TensorFiles, hf_files
 
     if cfg.model.init_from is not None:
         files = TensorFiles.at(cfg.model.init_from, f"--init-from {cfg.model.init_from}")
         files.check(model)
     elif cfg.model.name.startswith(HF_PREFIX):
-        files = TensorFiles.at(hf_directory(cfg.model.name), f"--model {cfg.model.name}")
+        files = hf_files(cfg.model.name, model)
         files.check(model, getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
     else:
         return None

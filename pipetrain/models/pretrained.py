@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from ..errors import ModelError
 from .bundle import LanguageModelBatches, MaskedTranslationBatches, ModelBundle, make_bundle, token_loss
 
-__all__ = ["HF_PREFIX", "TensorFiles", "build_hf", "hf_directory", "hf_weight_names", "load_into", "shard_name",
-           "write_index", "write_shard"]
+__all__ = ["HF_PREFIX", "TensorFiles", "build_hf", "hf_directory", "hf_files", "hf_model_names", "hf_weight_names",
+           "load_into", "shard_name", "write_index", "write_shard"]
 
 HF_PREFIX = "hf:"
 SAFETENSORS = "model.safetensors"
@@ -115,9 +115,11 @@ class TensorFiles:
         label: what the files are, for messages (``hf:DIR``, ``--init-from PATH``).
     """
 
-    def __init__(self, label: str, files: Mapping[str, Path], torch_file: Path | None = None) -> None:
+    def __init__(self, label: str, files: Mapping[str, Path], torch_file: Path | None = None,
+                 stored: Mapping[str, str] | None = None) -> None:
         self.label = label
         self._file_of = dict(files)               # tensor name -> its safetensors file
+        self._stored = dict(stored or {})         # tensor name -> the name the file holds it by, where other
         self._torch_file = torch_file
         self._handles: dict[Path, Any] = {}
         self._state: dict[str, Tensor] | None = None
@@ -184,7 +186,20 @@ class TensorFiles:
         """A tensor's shape, from the file's header."""
         if self._torch_file is not None:
             return tuple(self._torch_state()[name].shape)
-        return tuple(self._handle(self._file_of[name]).get_slice(name).get_shape())
+        return tuple(self._handle(self._file_of[name]).get_slice(self.stored_name(name)).get_shape())
+
+    def stored_name(self, name: str) -> str:
+        """The name the files hold the tensor ``name`` by."""
+        return self._stored.get(name, name)
+
+    def renamed(self, names: Mapping[str, str]) -> TensorFiles:
+        """These files with their tensors named ``names[stored]`` (the model's names) where
+        ``names`` gives one; read and shaped by the names the files hold them by."""
+        if self._torch_file is not None:
+            raise ValueError("a torch.save file's tensors are named as the model names them")
+        renamed = {names.get(n, n): n for n in self._file_of}
+        return TensorFiles(self.label, {new: self._file_of[old] for new, old in renamed.items()},
+                           stored={new: old for new, old in renamed.items() if new != old})
 
     def _handle(self, file: Path) -> Any:
         from safetensors import safe_open
@@ -212,7 +227,7 @@ class TensorFiles:
         # opened for this tensor alone: the file's pages it maps count as this process's
         # memory until the tensor read from them is let go, never the whole stage's at once
         with safe_open(str(file), framework="pt", device="cpu") as f:
-            return f.get_tensor(name)
+            return f.get_tensor(self.stored_name(name))
 
     def check(self, model: nn.Module, ignore: Iterable[str] = ()) -> None:
         """The files hold a tensor of the right shape for every entry of the model's
@@ -273,12 +288,73 @@ def shard_name(index: int, count: int) -> str:
     return f"model-{index:05d}-of-{count:05d}.safetensors"
 
 
-def hf_weight_names(directory: str | os.PathLike[str], keys: Iterable[str]) -> list[str]:
+def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]] | None:
+    """transformers' renamings and tensor conversions of ``model``'s checkpoints (what
+    ``from_pretrained`` applies as it loads and ``save_pretrained`` reverses), or ``None``
+    where transformers has none (before 5: a checkpoint holds the modules' own names)."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+        from transformers.modeling_utils import PreTrainedModel
+    except ImportError:
+        return None
+    if not isinstance(model, PreTrainedModel):
+        return None
+    transforms = get_model_conversion_mapping(model)
+    return ([t for t in transforms if isinstance(t, WeightRenaming)],
+            [t for t in transforms if isinstance(t, WeightConverter)])
+
+
+def hf_model_names(label: str, stored: Iterable[str], model: nn.Module) -> dict[str, str]:
+    """The model's name of every tensor a Hugging Face directory holds under another
+    (``stored name -> model name``), as ``from_pretrained`` renames them: transformers 5
+    keeps some architectures' checkpoints under older names than their modules' (GPT-NeoX's
+    head is ``embed_out.weight`` in the file, ``lm_head.weight`` in the model).
+
+    Raises:
+        ModelError: a tensor transformers converts as it loads (fused, split or permuted
+            from several files' tensors): this reader takes each tensor by its name alone.
+    """
+    found = _conversions(model)
+    if found is None:
+        return {}
+    from transformers.core_model_loading import rename_source_key
+
+    renamings, converters = found
+    out: dict[str, str] = {}
+    for name in stored:
+        new, converted = rename_source_key(name, renamings, converters)
+        if converted is not None:
+            raise ModelError(f"{label}: transformers converts the tensor {name!r} as it loads "
+                             f"{type(model).__name__} (pattern {converted!r}), which pipetrain does not do; load it "
+                             f"with from_pretrained, torch.save(model.state_dict(), 'w.pt') and pass --init-from w.pt")
+        if new != name:
+            out[name] = new
+    return out
+
+
+def hf_files(spec: str, model: nn.Module) -> TensorFiles:
+    """The tensors of ``hf:DIR`` under ``model``'s names (:func:`hf_model_names`)."""
+    label = f"--model {spec}"
+    files = TensorFiles.at(hf_directory(spec), label)
+    names = hf_model_names(label, files.names(), model)
+    return files.renamed(names) if names else files
+
+
+def hf_weight_names(directory: str | os.PathLike[str], keys: Iterable[str]) -> dict[str, str]:
     """The names a Hugging Face directory's weights are stored under, among ``keys`` (a
-    model's ``state_dict`` keys, in that order): a tied tensor under the one name the
-    directory holds it by, as ``save_pretrained`` writes it (headers only, no tensor read)."""
-    held = set(TensorFiles.at(directory, f"hf:{directory}").names())
-    return [k for k in keys if k in held]
+    model's ``state_dict`` keys, in that order), as ``{key: stored name}``: a tied tensor
+    under the one name the directory holds it by, as ``save_pretrained`` writes it (headers
+    only, no tensor read; the names as :func:`hf_model_names` renames them, from the
+    directory's model class built on ``meta``)."""
+    files = TensorFiles.at(directory, f"hf:{directory}")
+    spec = f"{HF_PREFIX}{directory}"
+    config = _config(spec, Path(directory))
+    with torch.device("meta"):
+        model = _model_class(spec, config)(config)
+    renamed = files.renamed(hf_model_names(f"hf:{directory}", files.names(), model))
+    held = set(renamed.names())
+    return {k: renamed.stored_name(k) for k in keys if k in held}
 
 
 def write_shard(directory: Path, index: int, count: int, tensors: Mapping[str, Tensor]) -> int:

@@ -94,3 +94,20 @@ def test_save_hf_into_a_file_or_the_source_is_refused_before_training(tmp_path: 
     with pytest.raises(RuntimeConfigError, match=r"^--save-hf \S+ is the directory --model hf:\S+ reads its weights "
                                                  r"from; pass another directory"):
         preflight(cfg(f"hf:{path}", save_hf=str(path)))
+
+
+def test_a_tensor_stored_under_an_older_name_is_written_under_it(tmp_path: Path) -> None:
+    """GPT-NeoX's head: ``embed_out.weight`` in the directory, ``lm_head.weight`` in the model;
+    written back under the directory's name, on the rank that holds it."""
+    from test_hf_dir import neox
+
+    path = neox(tmp_path)
+    if "embed_out.weight" not in weights(path):
+        pytest.skip("this transformers stores GPT-NeoX's head under the module's name")
+    out, ck = tmp_path / "out", tmp_path / "ck.pt"
+    launch_local([resolve_run(cfg(f"hf:{path}", 2, "1-1", save=str(ck), save_hf=str(out)))], timeout=TIMEOUT)
+    written = weights(out)
+    assert set(written) == set(weights(path))
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert index["weight_map"]["embed_out.weight"] == "model-00002-of-00002.safetensors"
+    assert_same(out, ck)

@@ -233,10 +233,10 @@ def save_hf_whole(cfg: Any, state: Mapping[str, Tensor], original_keys: list[str
     from ...models.pretrained import hf_weight_names, shard_name, write_index, write_shard
 
     source, out = _hf_source(cfg), Path(cfg.checkpoint.save_hf)
-    names = hf_weight_names(source, original_keys)
-    tensors = {n: state[n] for n in names}
+    stored = hf_weight_names(source, original_keys)
+    tensors = {stored[k]: state[k] for k in stored}
     total = write_shard(out, 1, 1, tensors)
-    write_index(out, source, dict.fromkeys(names, shard_name(1, 1)), total, _dtype_name(tensors.values()))
+    write_index(out, source, dict.fromkeys(tensors, shard_name(1, 1)), total, _dtype_name(tensors.values()))
     return out
 
 
@@ -256,9 +256,10 @@ def save_hf_final(view: Any, original_keys: list[str]) -> Path:
     from .periodic import rank_state
 
     source, out = _hf_source(view.cfg), Path(view.cfg.checkpoint.save_hf)
-    names = hf_weight_names(source, original_keys)
+    stored = hf_weight_names(source, original_keys)  # the model's name -> the directory's
+    names = list(stored.values())
     held = rank_state(view, 0).model
-    mine = {n: held[n] for n in names if n in held}
+    mine = {stored[k]: held[k] for k in stored if k in held}
     gathered: list[Any] = [None] * view.world
     dist.all_gather_object(gathered, (sorted(mine), _dtype_name(mine.values())))
     owner: dict[str, int] = {}
