@@ -4,6 +4,7 @@ from configs, and the zoo's ``gpt``, each at batch 8 x 32 tokens.
     python benchmarks/predict_models.py                     # every model, 1 round
     python benchmarks/predict_models.py --models llama,bert --rounds 2 --json out.json
     python benchmarks/predict_models.py --pythonpath ../before      # the code before a change
+    python benchmarks/predict_models.py --models others             # GPT-2, GPT-NeoX, Phi, Falcon, ...
 
 For each model, in this order:
 
@@ -62,6 +63,37 @@ HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
            {"vocab_size": 256, "d_model": 256, "d_kv": 64, "d_ff": 512, "num_layers": 2, "num_decoder_layers": 2,
             "num_heads": 4, "dropout_rate": 0.0, "decoder_start_token_id": 0, "pad_token_id": 0}),
 }
+#: More architectures, as users bring them (``--models others``): the same sizes (4 layers or
+#: 2 + 2, width 256, feed-forward 512, 4 heads, vocabulary 256), dropout off where it has one.
+OTHER_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             {"vocab_size": 256, "n_positions": 64, "n_embd": 256, "n_layer": 4, "n_head": 4, "resid_pdrop": 0.0,
+              "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
+    "neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM",
+             {"vocab_size": 256, "max_position_embeddings": 64, "hidden_size": 256, "intermediate_size": 512,
+              "num_hidden_layers": 4, "num_attention_heads": 4}),
+    "phi": ("PhiConfig", "PhiForCausalLM",
+            {"vocab_size": 256, "max_position_embeddings": 64, "hidden_size": 256, "intermediate_size": 512,
+             "num_hidden_layers": 4, "num_attention_heads": 4}),
+    "falcon": ("FalconConfig", "FalconForCausalLM",
+               {"vocab_size": 256, "hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4}),
+    "bloom": ("BloomConfig", "BloomForCausalLM", {"vocab_size": 256, "hidden_size": 256, "n_layer": 4, "n_head": 4}),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM",
+              {"vocab_size": 256, "max_position_embeddings": 64, "hidden_size": 256, "intermediate_size": 512,
+               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 64}),
+    "roberta": ("RobertaConfig", "RobertaForMaskedLM",
+                {"vocab_size": 256, "max_position_embeddings": 66, "hidden_size": 256, "intermediate_size": 512,
+                 "num_hidden_layers": 4, "num_attention_heads": 4, "hidden_dropout_prob": 0.0,
+                 "attention_probs_dropout_prob": 0.0}),
+    "distilbert": ("DistilBertConfig", "DistilBertForMaskedLM",
+                   {"vocab_size": 256, "max_position_embeddings": 64, "dim": 256, "hidden_dim": 512, "n_layers": 4,
+                    "n_heads": 4, "dropout": 0.0, "attention_dropout": 0.0}),
+    "bart": ("BartConfig", "BartForConditionalGeneration",
+             {"vocab_size": 256, "max_position_embeddings": 64, "d_model": 256, "encoder_layers": 2,
+              "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
+              "encoder_ffn_dim": 512, "decoder_ffn_dim": 512, "dropout": 0.0}),
+}
+HF_CONFIGS.update(OTHER_CONFIGS)
 GPT = ["--model", "gpt", "--option", "d_model=256", "--option", "layers=4", "--option", "heads=4",
        "--option", f"seq_len={SEQ}", "--option", "vocab=256"]
 DESCRIPTION = {
@@ -69,6 +101,8 @@ DESCRIPTION = {
     "bert": "Hugging Face BERT masked LM (4 layers, hidden 256, intermediate 512, 4 heads, vocab 256)",
     "t5": "Hugging Face T5 (2 + 2 layers, d_model 256, d_ff 512, 4 heads, vocab 256)",
     "gpt": "zoo gpt (d_model 256, 4 layers, 4 heads, vocab 256)",
+    **{name: f"Hugging Face {model} ({'2 + 2 layers' if name == 'bart' else '4 layers'}, width 256, vocab 256)"
+       for name, (_, model, _) in OTHER_CONFIGS.items()},
 }
 
 
@@ -209,13 +243,15 @@ def fixed_table(results: dict[str, list[dict[str, Any]]]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="llama,bert,t5,gpt", help="comma-separated: llama, bert, t5, gpt")
+    ap.add_argument("--models", default="llama,bert,t5,gpt",
+                    help=f"comma-separated: llama, bert, t5, gpt, {', '.join(OTHER_CONFIGS)}; 'others' for all of "
+                         f"the last")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--candidates", action="store_true", help="also run every candidate the choice predicted")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--pythonpath", default=None, help="run this checkout's pipetrain instead (the code before)")
     args = ap.parse_args(argv)
-    names = [n for n in args.models.split(",") if n]
+    names = [m for n in args.models.split(",") if n for m in (OTHER_CONFIGS if n == "others" else [n])]
     unknown = sorted(set(names) - set(DESCRIPTION))
     if unknown:
         ap.error(f"unknown model {unknown[0]!r}; choose from {', '.join(DESCRIPTION)}")

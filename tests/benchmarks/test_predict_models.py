@@ -34,3 +34,12 @@ def test_trace_compute_means_per_unit_over_each_stages_ranks(tmp_path: Path) -> 
     predicted = [{"forward": 0.010, "backward": 0.020, "step": 0.004}, {"forward": 0.010, "backward": 0.010, "step": 0}]
     assert predict_models.compute_ratio(predicted, got) == pytest.approx((0.034 + 0.021) / 0.050)
     assert predict_models.compute_ratio(predicted, {0: got[0]}) is None  # a stage the trace lacks: no ratio
+
+
+def test_every_other_architecture_names_a_config_and_model_class_transformers_has() -> None:
+    transformers = pytest.importorskip("transformers")
+    for name, (config_cls, model_cls, fields) in predict_models.OTHER_CONFIGS.items():
+        config = getattr(transformers, config_cls)(**fields)
+        assert config.vocab_size == 256, name
+        assert isinstance(getattr(transformers, model_cls), type), name
+        assert name in predict_models.DESCRIPTION
