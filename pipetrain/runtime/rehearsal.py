@@ -26,9 +26,10 @@ short run) and, for each distinct set of stages a rank holds, in pipeline order:
 
 The result is each stage's median seconds of one unit's F, B, I, W and of one STEP
 (:class:`~pipetrain.simulate.costs.MeasuredUnit`), leaving out the first minibatch (warm
-caches, first allocations). What it leaves out, and the prediction adds: the transfers, the
-all-reduce of replicated stages and of tensors tied across stages, the waits, and ranks
-sharing the machine's cores (the calibration's ``compute_slowdown``).
+caches, first allocations). A replicated stage's STEP divides its gradients by every
+replica's units, as after a run's all-reduce. What it leaves out, and the prediction adds:
+the transfers, the all-reduce of replicated stages and of tensors tied across stages, the
+waits, and ranks sharing the machine's cores (the calibration's ``compute_slowdown``).
 """
 from __future__ import annotations
 
@@ -114,6 +115,11 @@ class RehearsalComm(Comm):
         cut, d = self._message(action)
         if d == _F:
             self.wires.keep(cut, action.mb, tensors)
+
+    def allreduce_count(self, stage: int, flat: Tensor) -> None:
+        """The unit count the all-reduce would give a replicated stage: every replica's (the
+        round-robin gives each the same), so its STEP divides the gradients as in a run."""
+        flat[-1] *= self._group_size[stage]
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,18 @@ def test_receives_get_the_previous_stages_real_output_and_finite_stand_in_gradie
     assert 0 < float(g1[0].abs().max()) < 10 * STAND_IN_GRADIENT
 
 
+def test_a_replicated_stages_step_divides_by_every_replicas_units() -> None:
+    """The count a run's all-reduce sums over the replicas, so STEP divides as in the run."""
+    comm = RehearsalComm(0, get_schedule("dp").build([3], 3, 2), [], torch.device("cpu"), _Wires())
+    flat = torch.tensor([6.0, 9.0, 2.0])  # gradients, then this rank's unit count
+    comm.allreduce_count(0, flat)
+    assert flat.tolist() == [6.0, 9.0, 6.0]
+    one = RehearsalComm(0, get_schedule("flush").build([1, 1], 2, 1), [], torch.device("cpu"), _Wires())
+    flat = torch.tensor([6.0, 2.0])
+    one.allreduce_count(0, flat)
+    assert flat.tolist() == [6.0, 2.0]
+
+
 def mlp_candidate(schedule: str, m: int, replicas: list[int]) -> tuple[CandidateRehearsal, Candidate]:
     cfg = TrainConfig.of(model="mlp", model_options=dict(TINY_OPTIONS["mlp"], depth=4, width=64), batch_size=8,
                          workers=sum(replicas), threads=1)
