@@ -119,7 +119,7 @@ class TensorFiles:
                  stored: Mapping[str, str] | None = None) -> None:
         self.label = label
         self._file_of = dict(files)               # tensor name -> its safetensors file
-        self._stored = dict(stored or {})         # tensor name -> the name the file holds it by, where other
+        self._stored = dict(stored or {})         # tensor name -> the name the files hold it by, where they differ
         self._torch_file = torch_file
         self._handles: dict[Path, Any] = {}
         self._state: dict[str, Tensor] | None = None
