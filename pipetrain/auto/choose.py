@@ -42,8 +42,7 @@ measured costs and returns the fastest:
    within :data:`TIE_TOLERANCE` of the fastest rehearsed one (a profile predicts low, so one
    already slower stays slower), at most :data:`REHEARSALS`. A candidate whose rank would
    hold more than :data:`REHEARSAL_MAX_BYTES` (the planner's memory rule for its schedule),
-   or whose rehearsal fails, keeps
-   its profile's prediction and says why.
+   or whose rehearsal fails, keeps its profile's prediction and says why.
 6. **Pick.** Among the candidates rehearsed or too large to rehearse (one whose rehearsal
    failed ran its workers' own code and is left out; all of them when none is), the
    fastest prediction wins, except that predictions within
