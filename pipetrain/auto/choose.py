@@ -163,6 +163,7 @@ class AutoChoice:
     costs: str                            # one line: where the communication costs came from
     seconds: float = 0.0                  # time spent choosing
     compute: str = "a profile here"       # where the compute costs came from
+    reused: str = ""                      # what came from the measurement cache ('' for nothing)
 
     def note(self) -> str:
         """The run's plan source line."""
@@ -178,7 +179,8 @@ class AutoChoice:
         compute = (f"{self.compute}, the {rehearsed} fastest rehearsed as their workers run them" if rehearsed
                    else self.compute)
         return (f"auto: {b.schedule} m={b.microbatches} on {b.config}, predicted {b.predicted_time * 1e3:.2f} ms "
-                f"per minibatch ({how}; on {self.costs} and {compute}; chosen in {self.seconds:.1f} s)")
+                f"per minibatch ({how}; on {self.costs} and {compute}; chosen in {self.seconds:.1f} s"
+                + (f"; {self.reused})" if self.reused else ")"))
 
     @property
     def runnable(self) -> list[Candidate]:
@@ -453,7 +455,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         out = _each(names, workers, batch_size, microbatches, evaluate)
         if rehearse is not None:
             out = _rehearsed(out, rehearse, predictors, measured)
-    return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0)
+    return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0,
+                      reused=measured.reused())
 
 
 @dataclass(frozen=True)

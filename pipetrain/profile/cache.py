@@ -9,15 +9,16 @@ measure in a cache directory and reuse it:
   the directory (or any file in it) is always safe.
 - **Key**: what the caller says determines the measurement (model, its options, the batch,
   dtype and device, threads, optimizer, repeats...) plus the machine
-  (:func:`machine_identity`: CPU model, core count, torch and pipetrain versions, GPU name on
-  CUDA). Any difference is a miss; the key is stored with the value and compared on reading,
-  so two keys never share an entry.
+  (:func:`machine_identity`: CPU model, core count, torch and pipetrain versions, a digest of
+  pipetrain's own source files, GPU name on CUDA). Any difference is a miss; the key is
+  stored with the value and compared on reading, so two keys never share an entry.
 - **Off**: ``--no-cache`` (``MeasurementCache(enabled=False)``) measures again and leaves the
   cache alone. A cache that cannot be written is skipped with one warning, never an error;
   an entry that cannot be read counts as a miss (and is replaced).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -29,8 +30,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
-__all__ = ["CACHE_ENV", "cache_dir", "machine_identity", "MeasurementCache", "cached_profile", "model_dtype",
-           "model_fingerprint", "graph_fingerprint"]
+__all__ = ["CACHE_ENV", "cache_dir", "machine_identity", "source_digest", "MeasurementCache", "cached_profile",
+           "model_dtype", "model_fingerprint", "graph_fingerprint"]
 
 log = logging.getLogger("pipetrain.profile")
 
@@ -68,12 +69,37 @@ def _version() -> str:
         return "unknown"
 
 
+def source_digest(root: str | Path) -> str:
+    """A digest of every ``*.py`` file under ``root`` (relative paths and contents, sorted).
+
+    Invariant: a measurement is reused only by the code that measured it. The version alone
+    does not change between commits of a source checkout, where a rehearsal cached before a
+    runtime fix would otherwise go on predicting the old runtime's times.
+    """
+    root = Path(root)
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        try:
+            h.update(path.read_bytes())
+        except OSError:
+            h.update(b"<unreadable>")
+        h.update(b"\0")
+    return h.hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=1)
+def _own_source_digest() -> str:
+    return source_digest(Path(__file__).resolve().parent.parent)
+
+
 def machine_identity(device: str = "cpu") -> dict[str, Any]:
-    """What a measurement on this machine depends on besides the caller's key."""
+    """What a measurement on this machine depends on besides the caller's key: the machine,
+    torch, and the pipetrain code that measured it (its version and :func:`source_digest`)."""
     import torch
 
     ident: dict[str, Any] = {"cpu": _cpu_model(), "cores": os.cpu_count(), "torch": torch.__version__,
-                             "pipetrain": _version(), "format": CACHE_FORMAT}
+                             "pipetrain": _version(), "source": _own_source_digest(), "format": CACHE_FORMAT}
     if str(device).startswith("cuda") and torch.cuda.is_available():
         ident["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return ident
@@ -125,6 +151,10 @@ class MeasurementCache:
         self.enabled = enabled
         self.hits = 0
         self.misses = 0
+        #: entries read back that this object did not write: path -> when it was written
+        #: (``YYYY-MM-DD HH:MM:SS``): what a result rests on from an earlier run
+        self.reused: dict[Path, str] = {}
+        self._written: set[Path] = set()
         self._warned = False
 
     @property
@@ -141,6 +171,10 @@ class MeasurementCache:
 
     def get(self, kind: str, key: Mapping[str, Any], device: str = "cpu") -> Any | None:
         """The value stored under ``key``, or None (a miss, disabled, or unreadable)."""
+        entry = self._entry(kind, key, device)
+        return None if entry is None else entry.get("value")
+
+    def _entry(self, kind: str, key: Mapping[str, Any], device: str) -> dict[str, Any] | None:
         if not self.enabled:
             return None
         full = self.key(kind, key, device)
@@ -150,7 +184,7 @@ class MeasurementCache:
             return None
         if not isinstance(entry, dict) or entry.get("key") != full:
             return None
-        return entry.get("value")
+        return entry
 
     def put(self, kind: str, key: Mapping[str, Any], value: Any, device: str = "cpu") -> Path | None:
         """Store ``value`` (JSON) under ``key``; the file, or None when disabled or not writable."""
@@ -165,6 +199,7 @@ class MeasurementCache:
             with os.fdopen(fd, "w") as f:
                 json.dump(entry, f)
             os.replace(tmp, path)
+            self._written.add(path)
         except OSError as e:
             if not self._warned:
                 self._warned = True
@@ -178,14 +213,18 @@ class MeasurementCache:
               load: Callable[[Any], T], device: str = "cpu") -> tuple[T, bool]:
         """``(value, hit)``: the stored value under ``key``, else ``make()`` stored and returned.
         An entry ``load`` rejects counts as a miss."""
-        stored = self.get(kind, key, device)
-        if stored is not None:
+        entry = self._entry(kind, key, device)
+        stored = None if entry is None else entry.get("value")
+        if entry is not None and stored is not None:
             try:
                 value = load(stored)
             except Exception:  # noqa: BLE001 - a stale or damaged entry is measured again
                 value = None
             if value is not None:
                 self.hits += 1
+                path = self.path(kind, self.key(kind, key, device))
+                if path not in self._written:
+                    self.reused[path] = str(entry.get("written", "at an unknown time"))
                 return value, True
         self.misses += 1
         value = make()

@@ -82,6 +82,10 @@ def test_a_second_resolve_profiles_nothing(tmp_path: Path, private_cache: Path, 
     assert again.plan is not None and first.plan is not None and again.plan.config == first.plan.config
     assert (again.config.parallel.schedule, again.microbatches) == (first.config.parallel.schedule, first.microbatches)
     assert again.plan.extra["auto"]["candidates"] == first.plan.extra["auto"]["candidates"]
+    # the plan's source says its measurements were reused, and from when
+    assert "from the cache" not in first.plan_note
+    written = min(json.loads(p.read_text())["written"] for p in private_cache.glob("*/*.json"))
+    assert f"from the cache ({private_cache}), the oldest written {written}; --no-cache" in again.plan_note
 
 
 def test_no_cache_measures_again_and_writes_nothing(tmp_path: Path, private_cache: Path,

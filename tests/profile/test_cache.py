@@ -22,6 +22,7 @@ from pipetrain.profile.cache import (
     graph_fingerprint,
     machine_identity,
     model_fingerprint,
+    source_digest,
 )
 
 torch.set_num_threads(1)
@@ -42,6 +43,32 @@ def test_the_key_holds_the_machine() -> None:
     assert ident["torch"] == torch.__version__ and ident["cpu"] and ident["cores"]
     full = MeasurementCache().key("profile", {"model": "mlp", "batch_size": (4,)})
     assert full["machine"] == ident and full["kind"] == "profile" and full["batch_size"] == [4]
+
+
+def test_a_measurement_is_reused_only_by_the_code_that_made_it(tmp_path: Path, private_cache: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # the key names pipetrain's own source, not only its version (unchanged between commits)
+    assert machine_identity()["source"] == source_digest(Path(profile_pkg.__file__).resolve().parent.parent)
+    tree = tmp_path / "src"
+    (tree / "runtime").mkdir(parents=True)
+    (tree / "runtime" / "a.py").write_text("x = 1\n")
+    (tree / "notes.txt").write_text("not code")
+    first = source_digest(tree)
+    assert source_digest(tree) == first
+    (tree / "notes.txt").write_text("still not code")
+    assert source_digest(tree) == first
+    (tree / "runtime" / "a.py").write_text("x = 2\n")
+    edited = source_digest(tree)
+    assert edited != first
+    (tree / "runtime" / "a.py").rename(tree / "runtime" / "b.py")
+    assert source_digest(tree) not in (first, edited)
+
+    cache = MeasurementCache()
+    monkeypatch.setattr("pipetrain.profile.cache._own_source_digest", lambda: "before-a-fix")
+    cache.put("rehearsal", {"schedule": "pipedream"}, {"step": 0.046})
+    assert cache.get("rehearsal", {"schedule": "pipedream"}) == {"step": 0.046}
+    monkeypatch.setattr("pipetrain.profile.cache._own_source_digest", lambda: "after-a-fix")
+    assert cache.get("rehearsal", {"schedule": "pipedream"}) is None
 
 
 def test_a_value_is_read_back_only_under_the_same_key(private_cache: Path) -> None:
