@@ -163,7 +163,7 @@ class AutoChoice:
     costs: str                            # one line: where the communication costs came from
     seconds: float = 0.0                  # time spent choosing
     compute: str = "a profile here"       # where the compute costs came from
-    reused: str = ""                      # what came from the measurement cache ('' for nothing)
+    reused: str = ""                      # what came from earlier runs' cache entries ('' for nothing)
 
     def note(self) -> str:
         """The run's plan source line."""
@@ -455,8 +455,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         out = _each(names, workers, batch_size, microbatches, evaluate)
         if rehearse is not None:
             out = _rehearsed(out, rehearse, predictors, measured)
-    return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0,
-                      reused=measured.reused())
+    return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0)
 
 
 @dataclass(frozen=True)

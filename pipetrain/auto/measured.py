@@ -45,15 +45,6 @@ class AutoMeasurements:
         self.model = dict(model) if model is not None else None
         self.settings = dict(settings)
 
-    def reused(self) -> str:
-        """One phrase on the measurements read from an earlier run's cache entries ('' for none):
-        a prediction rests on the host as it was when the oldest of them was measured."""
-        if self.cache is None or not self.cache.reused:
-            return ""
-        n = len(self.cache.reused)
-        return (f"{n} measurement{'s' if n > 1 else ''} from the cache ({self.cache.directory}), the oldest "
-                f"written {min(self.cache.reused.values())}; --no-cache measures again")
-
     def calibration(self, workers: int, measure: Callable[[], Calibration]) -> Calibration:
         """The loopback calibration at ``workers`` ranks (measured by ``measure`` on a miss)."""
         from ..cluster.calibration import ALLREDUCE_TIMED, FIT_STATISTIC, Calibration

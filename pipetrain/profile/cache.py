@@ -209,6 +209,15 @@ class MeasurementCache:
             return None
         return path
 
+    def reuse_note(self) -> str:
+        """One phrase on the entries read back from earlier runs ('' for none): a result
+        resting on them rests on the host as it was when the oldest was measured."""
+        if not self.reused:
+            return ""
+        n = len(self.reused)
+        return (f"{n} measurement{'s' if n > 1 else ''} from the cache ({self.directory}), the oldest written "
+                f"{min(self.reused.values())}; --no-cache measures again")
+
     def fetch(self, kind: str, key: Mapping[str, Any], make: Callable[[], T], dump: Callable[[T], Any],
               load: Callable[[Any], T], device: str = "cpu") -> tuple[T, bool]:
         """``(value, hit)``: the stored value under ``key``, else ``make()`` stored and returned.

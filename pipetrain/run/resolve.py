@@ -287,12 +287,13 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
     from ..profile.cache import MeasurementCache
     from .rehearse import CandidateRehearsal
 
+    cache = MeasurementCache(enabled=cfg.performance.cache)
     choice = choose(model_at, batch_size=batch, workers=workers, optimizer=cfg.optimizer.name,
                     momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
                     calibration=par.calibration, microbatches=par.microbatches, accept=accept,
-                    cache=MeasurementCache(enabled=cfg.performance.cache),
-                    cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
+                    cache=cache, cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
                     rehearse=CandidateRehearsal(cfg, workers, batch))
+    choice.reused = cache.reuse_note()
     best = choice.best
     log.info("%s", "\n".join(summary_lines(choice)))
     return replace(cfg, parallel=replace(par, schedule=best.schedule, microbatches=best.microbatches,
