@@ -33,6 +33,7 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from . import ops as _ops  # noqa: F401 - registers pipetrain's operators, which a rebuilt graph may call
 from .capture import CapturedModel
 
 __all__ = ["NotPortable", "PortableCapture", "portable"]

@@ -76,8 +76,12 @@ def _config(spec: str, directory: Path) -> Any:
     except ImportError as exc:
         raise ModelError(f"--model {spec} needs the transformers package ({exc}); install it with "
                          f"`pip install transformers`") from None
+    from .experts import EXPERTS, register
+
+    # a mixture of experts runs as a capture can take it (models/experts.py)
+    extra = {"experts_implementation": EXPERTS} if register() else {}
     try:
-        return AutoConfig.from_pretrained(str(directory))
+        return AutoConfig.from_pretrained(str(directory), **extra)
     except (ValueError, KeyError, OSError) as exc:
         first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
         raise ModelError(f"--model {spec}: transformers cannot read {str(directory / 'config.json')!r} ({first}); "
@@ -116,10 +120,11 @@ class TensorFiles:
     """
 
     def __init__(self, label: str, files: Mapping[str, Path], torch_file: Path | None = None,
-                 stored: Mapping[str, str] | None = None) -> None:
+                 stored: Mapping[str, str] | None = None, converted: Mapping[str, _Converted] | None = None) -> None:
         self.label = label
         self._file_of = dict(files)               # tensor name -> its safetensors file
         self._stored = dict(stored or {})         # tensor name -> the name the files hold it by, where they differ
+        self._converted = dict(converted or {})   # tensor name -> the stored tensors it is made of, and how
         self._torch_file = torch_file
         self._handles: dict[Path, Any] = {}
         self._state: dict[str, Tensor] | None = None
@@ -179,27 +184,40 @@ class TensorFiles:
         return self._state
 
     def names(self) -> list[str]:
-        """Every tensor name the files hold."""
-        return list(self._torch_state()) if self._torch_file is not None else list(self._file_of)
+        """Every tensor name the files hold (a converted tensor by its model name)."""
+        if self._torch_file is not None:
+            return list(self._torch_state())
+        sources = {n for c in self._converted.values() for n in c.sources}
+        return [n for n in self._file_of if n not in sources] + list(self._converted)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        """A tensor's shape, from the file's header."""
+        """A tensor's shape, from the file's header (a converted tensor's: its conversion's, on ``meta``)."""
         if self._torch_file is not None:
             return tuple(self._torch_state()[name].shape)
+        if name in self._converted:
+            return self._converted[name].shape
         return tuple(self._handle(self._file_of[name]).get_slice(self.stored_name(name)).get_shape())
+
+    def converted(self) -> dict[str, list[str]]:
+        """The tensors made from several stored ones as they are read: model name -> the
+        stored names, in the order transformers reads them."""
+        return {name: list(c.sources) for name, c in self._converted.items()}
 
     def stored_name(self, name: str) -> str:
         """The name the files hold the tensor ``name`` by."""
         return self._stored.get(name, name)
 
-    def renamed(self, names: Mapping[str, str]) -> TensorFiles:
+    def renamed(self, names: Mapping[str, str], converted: Mapping[str, _Converted] | None = None) -> TensorFiles:
         """These files with their tensors named ``names[stored]`` (the model's names) where
-        ``names`` gives one; read and shaped by the names the files hold them by."""
+        ``names`` gives one; read and shaped by the names the files hold them by. ``converted``:
+        tensors made from several stored ones (:func:`hf_model_names`)."""
         if self._torch_file is not None:
             raise ValueError("a torch.save file's tensors are named as the model names them")
-        renamed = {names.get(n, n): n for n in self._file_of}
-        return TensorFiles(self.label, {new: self._file_of[old] for new, old in renamed.items()},
-                           stored={new: old for new, old in renamed.items() if new != old})
+        sources = {n for c in (converted or {}).values() for n in c.sources}
+        renamed = {names.get(n, n): n for n in self._file_of if n not in sources}
+        return TensorFiles(self.label, {**{new: self._file_of[old] for new, old in renamed.items()},
+                                        **{n: self._file_of[n] for n in sources}},
+                           stored={new: old for new, old in renamed.items() if new != old}, converted=converted)
 
     def _handle(self, file: Path) -> Any:
         from safetensors import safe_open
@@ -219,6 +237,8 @@ class TensorFiles:
         if self._torch_file is not None:
             t = self._torch_state().get(name)
             return None if t is None else t.clone()
+        if name in self._converted:
+            return self._converted[name].make(name, self._read_stored)
         file = self._file_of.get(name)
         if file is None:
             return None
@@ -228,6 +248,12 @@ class TensorFiles:
         # memory until the tensor read from them is let go, never the whole stage's at once
         with safe_open(str(file), framework="pt", device="cpu") as f:
             return f.get_tensor(self.stored_name(name))
+
+    def _read_stored(self, stored: str) -> Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._file_of[stored]), framework="pt", device="cpu") as f:
+            return f.get_tensor(stored)
 
     def check(self, model: nn.Module, ignore: Iterable[str] = ()) -> None:
         """The files hold a tensor of the right shape for every entry of the model's
@@ -305,40 +331,113 @@ def _conversions(model: nn.Module) -> tuple[list[Any], list[Any]] | None:
             [t for t in transforms if isinstance(t, WeightConverter)])
 
 
-def hf_model_names(label: str, stored: Iterable[str], model: nn.Module) -> dict[str, str]:
-    """The model's name of every tensor a Hugging Face directory holds under another
-    (``stored name -> model name``), as ``from_pretrained`` renames them: transformers 5
-    keeps some architectures' checkpoints under older names than their modules' (GPT-NeoX's
-    head is ``embed_out.weight`` in the file, ``lm_head.weight`` in the model).
+class _Converted:
+    """A model tensor transformers makes from several stored ones as it loads (Mixtral's
+    ``experts.gate_up_proj`` from every expert's ``w1`` and ``w3``): the stored names, in
+    the order ``from_pretrained`` reads them (``dot_natural_key``), with the source pattern
+    each matched, and transformers' own converter, applied as ``from_pretrained`` applies it
+    (``WeightConverter.convert``)."""
+
+    def __init__(self, first: str, converter: Any, sources: list[tuple[str, str]], shapes: Mapping[str, Any],
+                 config: Any) -> None:
+        self.first = first                       # the name transformers collects the group under
+        self.converter = converter
+        self.sources = [n for _, n in sources]
+        self.patterns = [p for p, _ in sources]
+        self.config = config
+        self.shapes = {k: tuple(v) for k, v in shapes.items()}   # every model tensor the group makes
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.shapes[self.first] if len(self.shapes) == 1 else next(iter(self.shapes.values()))
+
+    def convert(self, read: Any) -> dict[str, Tensor]:
+        import copy
+
+        conv = copy.deepcopy(self.converter)
+        for pattern, name in zip(self.patterns, self.sources, strict=True):
+            conv.add_tensor(self.first, name, pattern, (lambda n=name: read(n)))
+        out = conv.convert(self.first, config=self.config)
+        return {k: (v[0] if isinstance(v, list) else v) for k, v in out.items()}
+
+    def make(self, name: str, read: Any) -> Tensor:
+        return self.convert(read)[name]
+
+
+def hf_model_names(label: str, stored: Mapping[str, tuple[int, ...]] | Iterable[str], model: nn.Module
+                   ) -> tuple[dict[str, str], dict[str, _Converted]]:
+    """How ``from_pretrained`` names a Hugging Face directory's tensors in the model:
+    ``(renamed, converted)``. ``renamed``: ``stored name -> model name`` where they differ
+    (transformers 5 keeps some architectures' checkpoints under older names than their
+    modules': GPT-NeoX's head is ``embed_out.weight`` in the file, ``lm_head.weight`` in the
+    model). ``converted``: ``model name ->`` the stored tensors transformers makes it from
+    (a mixture of experts' per-expert tensors fused into one); ``stored`` must then give
+    each name's shape (the conversion is run on ``meta`` for the model's shapes).
 
     Raises:
-        ModelError: a tensor transformers converts as it loads (fused, split or permuted
-            from several files' tensors): this reader takes each tensor by its name alone.
+        ModelError: a conversion that cannot be applied per tensor group (one line).
     """
     found = _conversions(model)
     if found is None:
-        return {}
-    from transformers.core_model_loading import rename_source_key
+        return {}, {}
+    from transformers.core_model_loading import dot_natural_key, rename_source_key
 
     renamings, converters = found
-    out: dict[str, str] = {}
-    for name in stored:
-        new, converted = rename_source_key(name, renamings, converters)
-        if converted is not None:
-            raise ModelError(f"{label}: transformers converts the tensor {name!r} as it loads "
-                             f"{type(model).__name__} (pattern {converted!r}), which pipetrain does not do; load it "
-                             f"with from_pretrained, torch.save(model.state_dict(), 'w.pt') and pass --init-from w.pt")
-        if new != name:
-            out[name] = new
-    return out
+    renamed: dict[str, str] = {}
+    groups: dict[str, list[tuple[str, str]]] = {}
+    for name in sorted(stored, key=dot_natural_key):
+        new, pattern = rename_source_key(name, renamings, converters)
+        if pattern is not None:
+            groups.setdefault(new, []).append((pattern, name))
+        elif new != name:
+            renamed[name] = new
+    if not groups:
+        return renamed, {}
+    if not isinstance(stored, Mapping):
+        raise ValueError("hf_model_names: converted tensors need the stored shapes")
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    converted: dict[str, _Converted] = {}
+    for first, sources in groups.items():
+        converter = by_pattern[sources[0][0]]
+        shapes = {n: stored[n] for _, n in sources}
+        try:
+            probe = _Converted(first, converter, sources, {}, getattr(model, "config", None))
+            made = probe.convert(lambda n, shapes=shapes: torch.empty(shapes[n], device="meta"))
+        except Exception as exc:  # noqa: BLE001 - whatever the conversion raises: one line
+            raise ModelError(f"{label}: transformers converts {sources[0][1]!r} and {len(sources) - 1} more tensors "
+                             f"into {first!r} as it loads {type(model).__name__}, and that conversion fails here "
+                             f"({type(exc).__name__}: {str(exc)[:120]}); load it with from_pretrained, "
+                             f"torch.save(model.state_dict(), 'w.pt') and pass --init-from w.pt") from None
+        group = _Converted(first, converter, sources, {k: v.shape for k, v in made.items()},
+                           getattr(model, "config", None))
+        for name in made:
+            converted[name] = group
+    return renamed, converted
 
 
 def hf_files(spec: str, model: nn.Module) -> TensorFiles:
     """The tensors of ``hf:DIR`` under ``model``'s names (:func:`hf_model_names`)."""
     label = f"--model {spec}"
     files = TensorFiles.at(hf_directory(spec), label)
-    names = hf_model_names(label, files.names(), model)
-    return files.renamed(names) if names else files
+    names, converted = hf_model_names(label, _Shapes(files), model)
+    return files.renamed(names, converted) if names or converted else files
+
+
+class _Shapes(Mapping[str, tuple[int, ...]]):
+    """The stored tensors' shapes of ``files``, read from the headers when asked."""
+
+    def __init__(self, files: TensorFiles) -> None:
+        self._files = files
+        self._names = files.names()
+
+    def __getitem__(self, name: str) -> tuple[int, ...]:
+        return self._files.shape(name)
+
+    def __iter__(self) -> Any:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
 
 
 def hf_weight_names(directory: str | os.PathLike[str], keys: Iterable[str]) -> dict[str, str]:
@@ -352,8 +451,9 @@ def hf_weight_names(directory: str | os.PathLike[str], keys: Iterable[str]) -> d
     config = _config(spec, Path(directory))
     with torch.device("meta"):
         model = _model_class(spec, config)(config)
-    renamed = files.renamed(hf_model_names(f"hf:{directory}", files.names(), model))
-    held = set(renamed.names())
+    names, converted = hf_model_names(f"hf:{directory}", _Shapes(files), model)
+    renamed = files.renamed(names, converted)
+    held = set(renamed.names())  # a converted tensor under the model's name, which from_pretrained reads as it is
     return {k: renamed.stored_name(k) for k in keys if k in held}
 
 

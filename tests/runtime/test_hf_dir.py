@@ -346,20 +346,3 @@ def test_a_tensor_stored_under_an_older_name_is_read_as_from_pretrained_reads_it
     run = resolve_run(cfg(f"hf:{path}", 2, "1-1"))  # the head on stage 1, read by its stored name
     staged = build_stages(run, [1], shipped=True)
     assert torch.equal(staged.holder.get_parameter("lm_head.weight"), reference["lm_head.weight"])
-
-
-def test_a_tensor_transformers_converts_as_it_loads_is_one_line(tmp_path: Path) -> None:
-    from transformers import MixtralConfig, MixtralForCausalLM
-
-    config = MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
-                           max_position_embeddings=32)
-    path = tmp_path / "mixtral"
-    MixtralForCausalLM(config).save_pretrained(path)
-    if not any(".experts.0." in n for n in weights(path)):
-        pytest.skip("this transformers stores Mixtral's experts as its modules hold them")
-    with pytest.raises(ModelError) as e:
-        preflight(cfg(f"hf:{path}"))
-    line = _one_line(e)
-    assert line.startswith(f"--model hf:{path}: transformers converts the tensor 'model.layers.0.") and (
-        "as it loads MixtralForCausalLM" in line and line.endswith("and pass --init-from w.pt")), line
