@@ -4,7 +4,7 @@ from configs, and the zoo's ``gpt``, each at batch 8 x 32 tokens.
     python benchmarks/predict_models.py                     # every model, 1 round
     python benchmarks/predict_models.py --models llama,bert --rounds 2 --json out.json
     python benchmarks/predict_models.py --pythonpath ../before      # the code before a change
-    python benchmarks/predict_models.py --models others             # GPT-2, GPT-NeoX, Phi, Falcon, ...
+    python benchmarks/predict_models.py --models others             # GPT-2, GPT-NeoX, Phi, ..., Mixtral
 
 For each model, in this order:
 
@@ -64,7 +64,9 @@ HF_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
             "num_heads": 4, "dropout_rate": 0.0, "decoder_start_token_id": 0, "pad_token_id": 0}),
 }
 #: More architectures, as users bring them (``--models others``): the same sizes (4 layers or
-#: 2 + 2, width 256, feed-forward 512, 4 heads, vocabulary 256), dropout off where it has one.
+#: 2 + 2, width 256, feed-forward 512, 4 heads, vocabulary 256), dropout off where it has one;
+#: the mixtures of experts route each token to 2 experts (Mixtral 4 of width 256, Qwen2-MoE 8
+#: of width 128 beside a shared one of 256).
 OTHER_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              {"vocab_size": 256, "n_positions": 64, "n_embd": 256, "n_layer": 4, "n_head": 4, "resid_pdrop": 0.0,
@@ -92,6 +94,15 @@ OTHER_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
              {"vocab_size": 256, "max_position_embeddings": 64, "d_model": 256, "encoder_layers": 2,
               "decoder_layers": 2, "encoder_attention_heads": 4, "decoder_attention_heads": 4,
               "encoder_ffn_dim": 512, "decoder_ffn_dim": 512, "dropout": 0.0}),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                {"vocab_size": 256, "max_position_embeddings": 64, "hidden_size": 256, "intermediate_size": 256,
+                 "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                 {"vocab_size": 256, "max_position_embeddings": 64, "hidden_size": 256, "intermediate_size": 512,
+                  "moe_intermediate_size": 128, "shared_expert_intermediate_size": 256, "num_hidden_layers": 4,
+                  "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 8,
+                  "num_experts_per_tok": 2}),
 }
 HF_CONFIGS.update(OTHER_CONFIGS)
 GPT = ["--model", "gpt", "--option", "d_model=256", "--option", "layers=4", "--option", "heads=4",
