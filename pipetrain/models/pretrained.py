@@ -195,13 +195,8 @@ class TensorFiles:
         if self._torch_file is not None:
             return tuple(self._torch_state()[name].shape)
         if name in self._converted:
-            return self._converted[name].shape
+            return self._converted[name].shapes[name]
         return tuple(self._handle(self._file_of[name]).get_slice(self.stored_name(name)).get_shape())
-
-    def converted(self) -> dict[str, list[str]]:
-        """The tensors made from several stored ones as they are read: model name -> the
-        stored names, in the order transformers reads them."""
-        return {name: list(c.sources) for name, c in self._converted.items()}
 
     def stored_name(self, name: str) -> str:
         """The name the files hold the tensor ``name`` by."""
@@ -346,10 +341,6 @@ class _Converted:
         self.patterns = [p for p, _ in sources]
         self.config = config
         self.shapes = {k: tuple(v) for k, v in shapes.items()}   # every model tensor the group makes
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.shapes[self.first] if len(self.shapes) == 1 else next(iter(self.shapes.values()))
 
     def convert(self, read: Any) -> dict[str, Tensor]:
         import copy
