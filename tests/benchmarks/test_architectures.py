@@ -14,6 +14,8 @@ import architectures  # noqa: E402
 
 def test_every_architecture_is_a_model_type_and_class_transformers_has() -> None:
     transformers = pytest.importorskip("transformers")
+    if int(transformers.__version__.split(".")[0]) < 5:
+        pytest.skip("the list is of transformers 5's architectures")
     for model_type, cls in architectures.ARCHITECTURES.items():
         assert isinstance(getattr(transformers, cls), type), cls
         transformers.AutoConfig.for_model(model_type)  # raises for a model type it does not know
