@@ -139,16 +139,17 @@ def run(args: argparse.Namespace) -> int:
         warning = check.warning()
         if warning is not None:
             print(warning, file=sys.stderr)
-    if hit:
-        print(f"profile from the measurement cache ({cache_dir()}); pass --no-cache to measure again")
+    if hit is not None:
+        print(f"profile from the measurement cache ({cache_dir()}), written {hit}; pass --no-cache to measure again")
     if args.output:
         save_profile(profile, args.output)
         print(f"wrote {args.output}")
     return 0
 
 
-def _measured(args: argparse.Namespace, bundle: Any, options: dict[str, Any]) -> tuple[Any, bool]:
-    """The profile of ``bundle`` (from the measurement cache when it holds one), and whether it did."""
+def _measured(args: argparse.Namespace, bundle: Any, options: dict[str, Any]) -> tuple[Any, str | None]:
+    """The profile of ``bundle`` (from the measurement cache when it holds one), and when the
+    cached one was written (None: measured now)."""
     from ..profile import profile_model
     from ..profile.cache import MeasurementCache, cached_profile, model_dtype, model_fingerprint
     from ..profile.profiler import fast_counts
@@ -164,10 +165,12 @@ def _measured(args: argparse.Namespace, bundle: Any, options: dict[str, Any]) ->
            "dtype": model_dtype(bundle.model), "threads": threads, "optimizer": args.optimizer,
            "momentum": args.momentum, "counts": fast_counts(args.warmup, args.repeats),
            "check_memory": args.check_memory}
-    return cached_profile(MeasurementCache(enabled=args.cache), key, lambda: profile_model(
+    cache = MeasurementCache(enabled=args.cache)
+    profile, hit = cached_profile(cache, key, lambda: profile_model(
         bundle, batch_size=batch, device=args.device, warmup=args.warmup, repeats=args.repeats,
         optimizer=args.optimizer, momentum=args.momentum, model_name=args.model, threads=args.threads,
         progress=True, check_memory=args.check_memory * 2**30), device=args.device)
+    return profile, (min(cache.reused.values()) if hit and cache.reused else None)
 
 
 def torch_threads() -> int:

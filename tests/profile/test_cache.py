@@ -167,7 +167,10 @@ def test_the_profile_command_reuses_its_profile_unless_told(private_cache: Path,
     assert main(["profile", *MLP]) == 0
     second = capsys.readouterr().out
     assert len(calls) == 1
-    assert f"profile from the measurement cache ({private_cache}); pass --no-cache to measure again" in second
+    [entry] = (private_cache / "profile").iterdir()
+    written = json.loads(entry.read_text())["written"]
+    assert (f"profile from the measurement cache ({private_cache}), written {written}; pass --no-cache to "
+            f"measure again") in second
     # the same table and step check as measured
     assert [ln for ln in second.splitlines() if ln.startswith(("total:", "step check:"))] == \
         [ln for ln in first.splitlines() if ln.startswith(("total:", "step check:"))]
