@@ -234,21 +234,17 @@ class TensorFiles:
             return None if t is None else t.clone()
         if name in self._converted:
             return self._converted[name].make(name, self._read_stored)
-        file = self._file_of.get(name)
-        if file is None:
-            return None
+        return self._read_stored(name) if name in self._file_of else None
+
+    def _read_stored(self, name: str) -> Tensor:
+        """The tensor the files hold under ``name``'s stored name (a converted tensor's source
+        is held by its own)."""
         from safetensors import safe_open
 
         # opened for this tensor alone: the file's pages it maps count as this process's
         # memory until the tensor read from them is let go, never the whole stage's at once
-        with safe_open(str(file), framework="pt", device="cpu") as f:
+        with safe_open(str(self._file_of[name]), framework="pt", device="cpu") as f:
             return f.get_tensor(self.stored_name(name))
-
-    def _read_stored(self, stored: str) -> Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self._file_of[stored]), framework="pt", device="cpu") as f:
-            return f.get_tensor(stored)
 
     def check(self, model: nn.Module, ignore: Iterable[str] = ()) -> None:
         """The files hold a tensor of the right shape for every entry of the model's
@@ -333,14 +329,13 @@ class _Converted:
     each matched, and transformers' own converter, applied as ``from_pretrained`` applies it
     (``WeightConverter.convert``)."""
 
-    def __init__(self, first: str, converter: Any, sources: list[tuple[str, str]], shapes: Mapping[str, Any],
-                 config: Any) -> None:
+    def __init__(self, first: str, converter: Any, sources: list[tuple[str, str]], config: Any) -> None:
         self.first = first                       # the name transformers collects the group under
         self.converter = converter
         self.sources = [n for _, n in sources]
         self.patterns = [p for p, _ in sources]
         self.config = config
-        self.shapes = {k: tuple(v) for k, v in shapes.items()}   # every model tensor the group makes
+        self.shapes: dict[str, tuple[int, ...]] = {}   # every model tensor the group makes (hf_model_names)
 
     def convert(self, read: Any) -> dict[str, Tensor]:
         import copy
@@ -355,15 +350,14 @@ class _Converted:
         return self.convert(read)[name]
 
 
-def hf_model_names(label: str, stored: Mapping[str, tuple[int, ...]] | Iterable[str], model: nn.Module
-                   ) -> tuple[dict[str, str], dict[str, _Converted]]:
+def hf_model_names(label: str, files: TensorFiles, model: nn.Module) -> tuple[dict[str, str], dict[str, _Converted]]:
     """How ``from_pretrained`` names a Hugging Face directory's tensors in the model:
     ``(renamed, converted)``. ``renamed``: ``stored name -> model name`` where they differ
     (transformers 5 keeps some architectures' checkpoints under older names than their
     modules': GPT-NeoX's head is ``embed_out.weight`` in the file, ``lm_head.weight`` in the
     model). ``converted``: ``model name ->`` the stored tensors transformers makes it from
-    (a mixture of experts' per-expert tensors fused into one); ``stored`` must then give
-    each name's shape (the conversion is run on ``meta`` for the model's shapes).
+    (a mixture of experts' per-expert tensors fused into one), its shapes from the
+    conversion run on ``meta`` over the files' headers.
 
     Raises:
         ModelError: a conversion that cannot be applied per tensor group (one line).
@@ -376,33 +370,25 @@ def hf_model_names(label: str, stored: Mapping[str, tuple[int, ...]] | Iterable[
     renamings, converters = found
     renamed: dict[str, str] = {}
     groups: dict[str, list[tuple[str, str]]] = {}
-    for name in sorted(stored, key=dot_natural_key):
+    for name in sorted(files.names(), key=dot_natural_key):
         new, pattern = rename_source_key(name, renamings, converters)
         if pattern is not None:
             groups.setdefault(new, []).append((pattern, name))
         elif new != name:
             renamed[name] = new
-    if not groups:
-        return renamed, {}
-    if not isinstance(stored, Mapping):
-        raise ValueError("hf_model_names: converted tensors need the stored shapes")
     by_pattern = {p: c for c in converters for p in c.source_patterns}
     converted: dict[str, _Converted] = {}
     for first, sources in groups.items():
-        converter = by_pattern[sources[0][0]]
-        shapes = {n: stored[n] for _, n in sources}
+        group = _Converted(first, by_pattern[sources[0][0]], sources, getattr(model, "config", None))
         try:
-            probe = _Converted(first, converter, sources, {}, getattr(model, "config", None))
-            made = probe.convert(lambda n, shapes=shapes: torch.empty(shapes[n], device="meta"))
+            made = group.convert(lambda n: torch.empty(files.shape(n), device="meta"))
         except Exception as exc:  # noqa: BLE001 - whatever the conversion raises: one line
             raise ModelError(f"{label}: transformers converts {sources[0][1]!r} and {len(sources) - 1} more tensors "
                              f"into {first!r} as it loads {type(model).__name__}, and that conversion fails here "
                              f"({type(exc).__name__}: {str(exc)[:120]}); load it with from_pretrained, "
                              f"torch.save(model.state_dict(), 'w.pt') and pass --init-from w.pt") from None
-        group = _Converted(first, converter, sources, {k: v.shape for k, v in made.items()},
-                           getattr(model, "config", None))
-        for name in made:
-            converted[name] = group
+        group.shapes = {k: tuple(v.shape) for k, v in made.items()}
+        converted.update(dict.fromkeys(made, group))
     return renamed, converted
 
 
@@ -410,25 +396,8 @@ def hf_files(spec: str, model: nn.Module) -> TensorFiles:
     """The tensors of ``hf:DIR`` under ``model``'s names (:func:`hf_model_names`)."""
     label = f"--model {spec}"
     files = TensorFiles.at(hf_directory(spec), label)
-    names, converted = hf_model_names(label, _Shapes(files), model)
+    names, converted = hf_model_names(label, files, model)
     return files.renamed(names, converted) if names or converted else files
-
-
-class _Shapes(Mapping[str, tuple[int, ...]]):
-    """The stored tensors' shapes of ``files``, read from the headers when asked."""
-
-    def __init__(self, files: TensorFiles) -> None:
-        self._files = files
-        self._names = files.names()
-
-    def __getitem__(self, name: str) -> tuple[int, ...]:
-        return self._files.shape(name)
-
-    def __iter__(self) -> Any:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 def hf_weight_names(directory: str | os.PathLike[str], keys: Iterable[str]) -> dict[str, str]:
@@ -442,7 +411,7 @@ def hf_weight_names(directory: str | os.PathLike[str], keys: Iterable[str]) -> d
     config = _config(spec, Path(directory))
     with torch.device("meta"):
         model = _model_class(spec, config)(config)
-    names, converted = hf_model_names(f"hf:{directory}", _Shapes(files), model)
+    names, converted = hf_model_names(f"hf:{directory}", files, model)
     renamed = files.renamed(names, converted)
     held = set(renamed.names())  # a converted tensor under the model's name, which from_pretrained reads as it is
     return {k: renamed.stored_name(k) for k in keys if k in held}

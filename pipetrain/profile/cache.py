@@ -171,20 +171,23 @@ class MeasurementCache:
 
     def get(self, kind: str, key: Mapping[str, Any], device: str = "cpu") -> Any | None:
         """The value stored under ``key``, or None (a miss, disabled, or unreadable)."""
-        entry = self._entry(kind, key, device)
+        _, entry = self._entry(kind, key, device)
         return None if entry is None else entry.get("value")
 
-    def _entry(self, kind: str, key: Mapping[str, Any], device: str) -> dict[str, Any] | None:
+    def _entry(self, kind: str, key: Mapping[str, Any], device: str) -> tuple[Path | None, dict[str, Any] | None]:
+        """The entry's file and the entry stored there under ``key`` (None: a miss, disabled,
+        unreadable)."""
         if not self.enabled:
-            return None
+            return None, None
         full = self.key(kind, key, device)
+        path = self.path(kind, full)
         try:
-            entry = json.loads(self.path(kind, full).read_text())
+            entry = json.loads(path.read_text())
         except (OSError, ValueError):
-            return None
+            return path, None
         if not isinstance(entry, dict) or entry.get("key") != full:
-            return None
-        return entry
+            return path, None
+        return path, entry
 
     def put(self, kind: str, key: Mapping[str, Any], value: Any, device: str = "cpu") -> Path | None:
         """Store ``value`` (JSON) under ``key``; the file, or None when disabled or not writable."""
@@ -222,17 +225,16 @@ class MeasurementCache:
               load: Callable[[Any], T], device: str = "cpu") -> tuple[T, bool]:
         """``(value, hit)``: the stored value under ``key``, else ``make()`` stored and returned.
         An entry ``load`` rejects counts as a miss."""
-        entry = self._entry(kind, key, device)
+        path, entry = self._entry(kind, key, device)
         stored = None if entry is None else entry.get("value")
-        if entry is not None and stored is not None:
+        if stored is not None:
             try:
                 value = load(stored)
             except Exception:  # noqa: BLE001 - a stale or damaged entry is measured again
                 value = None
             if value is not None:
                 self.hits += 1
-                path = self.path(kind, self.key(kind, key, device))
-                if path not in self._written:
+                if path is not None and entry is not None and path not in self._written:
                     self.reused[path] = str(entry.get("written", "at an unknown time"))
                 return value, True
         self.misses += 1
