@@ -15,8 +15,9 @@ with shapes fixed by the batch alone and the same code on every device:
 - the (token, expert) pairs sorted by expert, and each expert's end offset among them by
   ``searchsorted`` on the sorted ids (no histogram);
 - each projection as a grouped matrix product over those offsets: torch's ``grouped_mm``
-  for bfloat16, else :func:`pipetrain.graph.ops.grouped_mm` (a loop of ``mm`` per expert,
-  with a shape function for any dtype and its own backward);
+  for bfloat16, else :func:`pipetrain.graph.ops.grouped_mm` (a shape function for any
+  dtype and its own backward; torch's grouped kernel on the CPU where it takes the
+  operands, a loop of ``mm`` per expert otherwise);
 - the outputs put back in token order and summed over each token's experts, weighted by
   the router.
 

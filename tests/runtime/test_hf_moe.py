@@ -19,7 +19,7 @@ pytest.importorskip("transformers.core_model_loading")
 from test_hf_dir import weights  # noqa: E402
 
 from pipetrain.errors import ModelError  # noqa: E402
-from pipetrain.graph.ops import grouped_mm  # noqa: E402
+from pipetrain.graph.ops import backward_loop, grouped_mm, kernel_takes, mm_loop  # noqa: E402
 from pipetrain.job import OptimizerConfig, TrainConfig  # noqa: E402
 from pipetrain.job.model import build_stages, load_bundle  # noqa: E402
 from pipetrain.models.experts import EXPERTS, register  # noqa: E402
@@ -73,6 +73,24 @@ def test_grouped_mm_multiplies_each_experts_rows_by_its_weight() -> None:
     # a shape for every dtype on meta, where torch's own grouped_mm takes bfloat16 only
     meta = grouped_mm(x.detach().float().to("meta"), w.detach().float().to("meta"), offsets.to("meta"))
     assert meta.shape == (7, 3) and meta.dtype == torch.float32
+
+
+@pytest.mark.parametrize("width", [32, 6])  # 6 floats: strides torch's grouped kernel refuses, so the loop
+def test_grouped_mm_on_torchs_kernel_equals_the_loop(width: int) -> None:
+    torch.manual_seed(0)
+    x = torch.randn(40, width, requires_grad=True)
+    w = torch.randn(5, width, 12, requires_grad=True)
+    offsets = torch.tensor([7, 7, 20, 31, 36], dtype=torch.int32)  # expert 1 gets no rows; 4 rows past the end
+    assert kernel_takes(x.detach(), w.detach()) == (width % 4 == 0)
+    out = grouped_mm(x, w, offsets)
+    grad = torch.randn_like(out)
+    gx, gw = torch.autograd.grad(out, (x, w), grad)
+    with torch.no_grad():
+        assert torch.allclose(out, mm_loop(x, w, offsets), atol=1e-5)
+        loop_gx, loop_gw = backward_loop(x, w, offsets, grad)
+    assert torch.allclose(gx, loop_gx, atol=1e-5) and torch.allclose(gw, loop_gw, atol=1e-5)
+    assert torch.equal(out[36:], torch.zeros(4, 12)) and torch.equal(gx[36:], torch.zeros(4, width))
+    assert torch.equal(gw[1], torch.zeros(width, 12))
 
 
 @pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
