@@ -94,14 +94,14 @@ class TimePredictor:
         spec = get_schedule(chosen["schedule"])
         m = int(chosen.get("microbatches") or 1)
         units = 1 if spec.unit == "minibatch" else m
-        try:
-            return self._rehearsed(plan, spec.name, m, units)
+        profiled = self._simulated(plan, spec, m, units, dict(chosen.get("schedule_options") or {}), steps)
+        try:  # rehearsed as long as the choice rehearses a candidate the profile predicts so
+            return self._rehearsed(plan, spec.name, m, units, profiled["time_per_minibatch_s"])
         except Exception as e:  # noqa: BLE001 - a configuration the rehearsal cannot run: the profile's figure
-            out = self._simulated(plan, spec, m, units, dict(chosen.get("schedule_options") or {}), steps)
-            out["source"] = f"profile (the rehearsal failed: {type(e).__name__}: {e})"
-            return out
+            profiled["source"] = f"profile (the rehearsal failed: {type(e).__name__}: {e})"
+            return profiled
 
-    def _rehearsed(self, plan: Any, schedule: str, m: int, units: int) -> dict[str, Any]:
+    def _rehearsed(self, plan: Any, schedule: str, m: int, units: int, profiled: float) -> dict[str, Any]:
         from pipetrain.auto.choose import Candidate, plan_ties, scale_profile
         from pipetrain.job import TrainConfig
         from pipetrain.run.rehearse import CandidateRehearsal
@@ -110,7 +110,7 @@ class TimePredictor:
         workers = plan.num_workers
         cfg = TrainConfig.of(model=self.bm.pipetrain_spec, batch_size=self.bm.batch_size, workers=workers,
                              threads=1, seed=self.seed)
-        measured = CandidateRehearsal(cfg, workers, self.bm.batch_size)(Candidate(schedule, m, plan, None))
+        measured = CandidateRehearsal(cfg, workers, self.bm.batch_size)(Candidate(schedule, m, plan, profiled))
         profile = scale_profile(self.profile(self.bm.batch_size // units), units, self.bm.batch_size)
         pred = predict_run(plan, profile, self.calibration(workers), schedule, microbatches=m,
                            tied=plan_ties(self.captured.gm, plan), measured=measured)

@@ -22,22 +22,30 @@ from ..job.resolved import ResolvedRun, Segment
 from ..schedule.registry import get_schedule
 from ..simulate.costs import MeasuredUnit
 
-__all__ = ["CandidateRehearsal", "REHEARSAL_UNITS", "rehearsal_steps"]
+__all__ = ["CandidateRehearsal", "REHEARSAL_MAX_STEPS", "REHEARSAL_SECONDS", "REHEARSAL_UNITS", "rehearsal_steps"]
 
-#: Units every rehearsed rank times (after its first minibatch, the warm-up)...
+#: Units every rehearsed rank times at least (after its first minibatch, the warm-up)...
 REHEARSAL_UNITS = 8
+#: ...and minibatches for at least this many seconds, by the profile's prediction (the
+#: median of a few short units moves 10-20% with the host's phase; small models time more)...
+REHEARSAL_SECONDS = 0.5
 #: ...in at most this many minibatches.
-REHEARSAL_MAX_STEPS = 16
+REHEARSAL_MAX_STEPS = 24
 
 
-def rehearsal_steps(schedule: str, replicas: list[int], microbatches: int) -> int:
+def rehearsal_steps(schedule: str, replicas: list[int], microbatches: int,
+                    minibatch_seconds: float | None = None) -> int:
     """Minibatches of a rehearsal: one to warm up, then enough for :data:`REHEARSAL_UNITS`
-    units on each rank (a replica runs ``1/replicas`` of its stage's units), at most
-    :data:`REHEARSAL_MAX_STEPS`, rounded up to the schedule's steps period."""
+    units on each rank (a replica runs ``1/replicas`` of its stage's units) and for
+    :data:`REHEARSAL_SECONDS` at ``minibatch_seconds`` a minibatch (the profile's prediction,
+    when known), at most :data:`REHEARSAL_MAX_STEPS`, rounded up to the schedule's steps period."""
     spec = get_schedule(schedule)
     units = 1 if spec.unit == "minibatch" else microbatches
     per_rank = units / max(1, max(replicas))
-    steps = 1 + min(REHEARSAL_MAX_STEPS - 1, math.ceil(REHEARSAL_UNITS / per_rank))
+    need = math.ceil(REHEARSAL_UNITS / per_rank)
+    if minibatch_seconds is not None and minibatch_seconds > 0:
+        need = max(need, math.ceil(REHEARSAL_SECONDS / minibatch_seconds))
+    steps = 1 + min(REHEARSAL_MAX_STEPS - 1, need)
     period = int(spec.steps_period(replicas))
     return -(-steps // period) * period
 
@@ -59,7 +67,7 @@ class CandidateRehearsal:
         self.settings = {"fused_grads": c.performance.fused_grads, "precision": c.training.precision,
                          "recompute": c.performance.recompute, "optimizer": c.optimizer.name,
                          "momentum": c.optimizer.momentum, "clip": c.training.clip_grad_norm,
-                         "device": c.parallel.device, "units": REHEARSAL_UNITS}
+                         "device": c.parallel.device, "units": REHEARSAL_UNITS, "seconds": REHEARSAL_SECONDS}
 
     def run_of(self, candidate: Candidate) -> ResolvedRun:
         """``candidate`` as a resolved run of :func:`rehearsal_steps` minibatches."""
@@ -67,7 +75,8 @@ class CandidateRehearsal:
         if plan is None:
             raise ValueError(f"candidate {candidate.schedule} m={candidate.microbatches} has no plan to rehearse")
         replicas = list(plan.replicas)
-        steps = rehearsal_steps(candidate.schedule, replicas, candidate.microbatches)
+        steps = rehearsal_steps(candidate.schedule, replicas, candidate.microbatches,
+                                candidate.profile_predicted_time or candidate.predicted_time)
         cfg = self.cfg.replace(schedule=candidate.schedule, microbatches=candidate.microbatches, auto=False,
                                steps=steps, epochs=None, warmup_steps=0, eval_every=None, checkpoint_every=None,
                                target_accuracy=None, target_loss=None)

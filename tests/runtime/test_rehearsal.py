@@ -22,7 +22,13 @@ from pipetrain.auto.choose import Candidate
 from pipetrain.job import TrainConfig
 from pipetrain.models import TINY_OPTIONS
 from pipetrain.plan.cuts import split_by_config
-from pipetrain.run.rehearse import REHEARSAL_UNITS, CandidateRehearsal, rehearsal_steps
+from pipetrain.run.rehearse import (
+    REHEARSAL_MAX_STEPS,
+    REHEARSAL_SECONDS,
+    REHEARSAL_UNITS,
+    CandidateRehearsal,
+    rehearsal_steps,
+)
 from pipetrain.run.resolve import _load_captured
 from pipetrain.runtime.rehearsal import STAND_IN_GRADIENT, RehearsalComm, _Wires, rehearsal_ranks, rehearse
 from pipetrain.schedule import get_schedule
@@ -51,6 +57,15 @@ def test_rehearsal_steps_time_enough_units_on_every_rank() -> None:
     assert rehearsal_steps("pipedream", [1, 1], 1) == 1 + REHEARSAL_UNITS
     steps = rehearsal_steps("pipedream", [2, 1], 1)  # a replica runs every other minibatch
     assert steps % 2 == 0 and steps >= 1 + REHEARSAL_UNITS
+
+
+def test_a_rehearsal_of_short_minibatches_times_them_for_its_seconds() -> None:
+    slow = 10 * REHEARSAL_SECONDS  # the unit count rules: as without a prediction
+    assert rehearsal_steps("flush", [1, 1], 2, slow) == rehearsal_steps("flush", [1, 1], 2) == 1 + REHEARSAL_UNITS // 2
+    short = REHEARSAL_SECONDS / 12  # 12 minibatches for the seconds, more than the 4 the units need
+    assert rehearsal_steps("flush", [1, 1], 2, short) == 1 + 12
+    assert rehearsal_steps("pipedream", [2, 1], 1, REHEARSAL_SECONDS / 19) == 20  # 1 + 19, to the period 2
+    assert rehearsal_steps("flush", [1, 1], 2, 1e-6) == REHEARSAL_MAX_STEPS
 
 
 def test_receives_get_the_previous_stages_real_output_and_finite_stand_in_gradients() -> None:
