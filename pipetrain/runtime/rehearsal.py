@@ -53,6 +53,7 @@ from .engine.comm import Comm, message_specs
 from .engine.executor import Executor
 from .engine.precision import wire_dtype
 from .engine.stage_runtime import stage_runtimes
+from .engine.tied_sync import holds_tie
 from .engine.units import UnitData
 from .guards.numerics import NumericsGuard
 from .worker.forward_errors import ForwardErrors
@@ -195,7 +196,10 @@ def _rehearse_rank(run: ResolvedRun, rank: int, wires: _Wires, times: dict[tuple
     del staged
     data = UnitData(bundle.make_batch, run.batch_size, run.microbatches, cfg.training.seed, 0, device)
     data.prefetch(schedule.steps)
-    guard = NumericsGuard(rank, None, skip=False, synchronous=cfg.synchronous, schedule=cfg.parallel.schedule)
+    # as the worker's: a rank summing tied gradients with other stages reads them in full at STEP
+    ties = next(iter(modules.values())).ties if modules else ()
+    guard = NumericsGuard(rank, None, skip=False, synchronous=cfg.synchronous, schedule=cfg.parallel.schedule,
+                          tied=holds_tie(ties, mine))
     executor = Executor(rank, stages, comm, data, bundle.loss_fn, cfg.optimizer.lr, cfg.training.lr_schedule,
                         clip=cfg.training.clip_grad_norm, global_clip=False, lookahead=cfg.performance.lookahead,
                         record=True, hooks=[ForwardErrors(rank), guard], seed=cfg.training.seed)

@@ -13,6 +13,7 @@ them, one rank after another in one process, timed.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -138,9 +139,23 @@ def test_a_replicated_stage_is_rehearsed_once() -> None:
     assert got.ranks == (0,) and len(got.stages) == 1 and got.stages[0].backward is not None
 
 
-def test_a_hugging_face_model_with_a_tied_embedding_is_rehearsed_from_its_directory(tmp_path: Path) -> None:
+def test_a_hugging_face_model_with_a_tied_embedding_is_rehearsed_from_its_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both ranks hold the tied embedding, so their guards read the gradients in full at STEP,
+    as the workers' guards do (their gradients are summed across stages)."""
     pytest.importorskip("transformers")
     from test_hf_dir import llama
+
+    import pipetrain.runtime.rehearsal as rh
+
+    tied: list[bool] = []
+    real_guard = rh.NumericsGuard
+
+    def guard(*args: Any, **kwargs: Any) -> Any:
+        tied.append(bool(kwargs.get("tied")))
+        return real_guard(*args, **kwargs)
+
+    monkeypatch.setattr(rh, "NumericsGuard", guard)
 
     path = llama(tmp_path, tie=True)
     cfg = TrainConfig.of(model=f"hf:{path}", model_options={"seq_len": 16}, batch_size=4, workers=2, threads=1)
@@ -150,6 +165,11 @@ def test_a_hugging_face_model_with_a_tied_embedding_is_rehearsed_from_its_direct
     cand = Candidate("flush", 2, plan, 1.0)
     assert rehearsal.run_of(cand).model is not None  # its workers' own path: the launcher's capture, shipped
     assert len(list(rehearsal(cand))) == 2
+    assert tied == [True, True]
+    tied.clear()
+    mlp, mlp_cand = mlp_candidate("flush", 2, [1, 1])  # nothing tied
+    rehearse(mlp.run_of(mlp_cand))
+    assert tied == [False, False]
 
 
 def test_a_rehearsal_runs_at_its_workers_threads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,7 +46,7 @@ from ...stages.tied import TiedParameter
 from .optim import sum_of_squares
 from .stage_runtime import StageRuntime
 
-__all__ = ["TiedSync"]
+__all__ = ["TiedSync", "holds_tie"]
 
 
 @dataclass
@@ -58,6 +58,12 @@ class _Exchange:
     name: str
     group: Any
     size: int   # ranks in the group
+
+
+def holds_tie(ties: Sequence[TiedParameter], stages: Sequence[int]) -> bool:
+    """Whether one of ``stages`` holds a trainable parameter tied across stages: a rank whose
+    gradients :class:`TiedSync` sums with other stages' at STEP."""
+    return any(t.across_stages and t.trainable and any(k in t.stages for k in stages) for t in ties)
 
 
 class TiedSync:
