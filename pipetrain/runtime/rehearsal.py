@@ -49,11 +49,11 @@ from ..schedule.action import Action, Op, Schedule
 from ..simulate.costs import MeasuredUnit
 from ..stages.boundary import BoundaryCodec
 from ..stages.partition import build_stage_modules
+from ..stages.tied import holds_tie
 from .engine.comm import Comm, message_specs
 from .engine.executor import Executor
 from .engine.precision import wire_dtype
 from .engine.stage_runtime import stage_runtimes
-from .engine.tied_sync import holds_tie
 from .engine.units import UnitData
 from .guards.numerics import NumericsGuard
 from .worker.forward_errors import ForwardErrors

@@ -40,7 +40,7 @@ from torch import Tensor
 from ..errors import RuntimeConfigError
 from ..schedule.traffic import TiedBuffer
 
-__all__ = ["TiedParameter", "alias_state", "check_ties", "stage_parameters", "tied_buffers"]
+__all__ = ["TiedParameter", "alias_state", "check_ties", "holds_tie", "stage_parameters", "tied_buffers"]
 
 
 class Aliased(Protocol):
@@ -73,11 +73,22 @@ class TiedParameter:
         """Whether several stages hold a copy (their gradients must be summed)."""
         return len(self.stages) > 1
 
+    @property
+    def exchanged(self) -> bool:
+        """Whether its holders' gradients are summed at STEP: trainable and across stages."""
+        return self.trainable and self.across_stages
+
     def describe(self) -> str:
         """``'lm_head.weight' (also 'transformer.wte.weight')``."""
         first, rest = self.names[0], self.names[1:]
         also = f" (also {', '.join(repr(n) for n in rest)})" if rest else ""
         return f"{first!r}{also}"
+
+
+def holds_tie(ties: Sequence[TiedParameter], stages: Sequence[int]) -> bool:
+    """Whether one of ``stages`` holds an exchanged tie: a rank whose gradients
+    :class:`~pipetrain.runtime.engine.tied_sync.TiedSync` sums with other stages' at STEP."""
+    return any(t.exchanged and any(k in t.stages for k in stages) for t in ties)
 
 
 def check_ties(ties: Sequence[TiedParameter], stage_ranks: Sequence[Sequence[int]], synchronous: bool,
@@ -88,7 +99,7 @@ def check_ties(ties: Sequence[TiedParameter], stage_ranks: Sequence[Sequence[int
         RuntimeConfigError: a tie across stages under an asynchronous schedule, or a rank
             holding two stages with ties across stages.
     """
-    across = [t for t in ties if t.across_stages and t.trainable]
+    across = [t for t in ties if t.exchanged]
     if not across:
         return
     t = across[0]
@@ -144,7 +155,7 @@ def tied_buffers(named: Mapping[str, Tensor], ties: Sequence[TiedParameter]) -> 
     by any of their names."""
     out: list[TiedBuffer] = []
     for tie in ties:
-        if not (tie.across_stages and tie.trainable):
+        if not tie.exchanged:
             continue
         p = next((named[n] for n in tie.names if n in named), None)
         if p is None:

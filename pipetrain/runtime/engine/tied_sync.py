@@ -46,7 +46,7 @@ from ...stages.tied import TiedParameter
 from .optim import sum_of_squares
 from .stage_runtime import StageRuntime
 
-__all__ = ["TiedSync", "holds_tie"]
+__all__ = ["TiedSync"]
 
 
 @dataclass
@@ -58,12 +58,6 @@ class _Exchange:
     name: str
     group: Any
     size: int   # ranks in the group
-
-
-def holds_tie(ties: Sequence[TiedParameter], stages: Sequence[int]) -> bool:
-    """Whether one of ``stages`` holds a trainable parameter tied across stages: a rank whose
-    gradients :class:`TiedSync` sums with other stages' at STEP."""
-    return any(t.across_stages and t.trainable and any(k in t.stages for k in stages) for t in ties)
 
 
 class TiedSync:
@@ -87,7 +81,7 @@ class TiedSync:
         distributed = dist.is_available() and dist.is_initialized()
         groups: dict[tuple[int, ...], Any] = {}
         for tie in ties:
-            if not (tie.across_stages and tie.trainable):
+            if not tie.exchanged:
                 continue
             ranks = tie_ranks(tie.stages, stage_ranks)
             if ranks not in groups:  # every rank creates every group, in the ties' order
