@@ -21,16 +21,18 @@ SI units (seconds, bytes, bits/s where the name says bits)::
      "allreduce": {"latency_seconds": ..., "bandwidth_bytes_per_second": ...},
      "allreduce_ranks": 2,
      "samples": [{"kind": "p2p" | "allreduce", "bytes": 4096, "seconds": 1.2e-4, "reps": 5,
-                  "median_seconds": 1.3e-4}, ...],
+                  "median_seconds": 1.3e-4, "mean_seconds": 2.1e-4}, ...],
      "compute_slowdown": 1.31,               # optional (1.0): see below
      "measured_at": "2026-12-01T04:10:00Z", "seconds": 3.2}
 
 ``samples[].seconds`` is the fastest of ``reps`` timings of one message (half a ping-pong
-round trip for p2p; one all-reduce for allreduce), ``median_seconds`` their median; the fits
-use the median (:func:`fit_samples`): a run's steady state is made of typical transfers, and
-on a machine whose cores the ranks share a typical one includes the CPU scheduler's delays
-(the 2-core loopback here: an 8 MiB all-reduce's median 1.7-2.6x its fastest, and a data
-parallel run's STEP waits as long as the median). Samples without a median use the fastest.
+round trip for p2p; one all-reduce for allreduce), ``median_seconds`` their median and
+``mean_seconds`` their mean. The fits use the mean (:func:`fit_samples`): a run's time per
+minibatch adds up its transfers, so it is their mean that it pays, and on a machine whose
+cores the ranks share the times are heavy-tailed with the CPU scheduler's delays (the 2-core
+loopback here: an 8 MiB all-reduce's median 1.7-2.6x its fastest; a 256 KiB all-reduce
+between computing ranks 0.5-0.7 ms by the median, 1.1-1.8 ms by the mean, one in ten over
+3 ms). Samples without a mean use the median, and without either the fastest.
 
 ``compute_slowdown`` is how much longer a worker's computation takes while every rank of a
 host computes at once than alone (the probe's training step, :mod:`pipetrain.cluster.gloo_probe`):
@@ -40,17 +42,18 @@ compute time by it. Files without it read as 1.0.
 """
 from __future__ import annotations
 
+import bisect
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .errors import CalibrationError
 
-__all__ = ["CALIBRATION_FORMAT", "CALIBRATION_VERSION", "LinkFit", "Sample", "Calibration", "fit_link",
-           "fit_samples", "FIT_STATISTIC", "ALLREDUCE_TIMED", "load_calibration"]
+__all__ = ["CALIBRATION_FORMAT", "CALIBRATION_VERSION", "Curve", "LinkFit", "Sample", "Calibration", "curve_seconds",
+           "fit_link", "fit_samples", "measured_curve", "FIT_STATISTIC", "ALLREDUCE_TIMED", "load_calibration"]
 
 CALIBRATION_FORMAT = "pipetrain-calibration"
 CALIBRATION_VERSION = 1
@@ -74,14 +77,15 @@ class LinkFit:
 
 @dataclass(frozen=True)
 class Sample:
-    """One measured size: the fastest (``seconds``) and the median of ``reps`` messages of
-    ``bytes`` bytes; ``kind`` is ``p2p`` or ``allreduce``."""
+    """One measured size: the fastest (``seconds``), the median and the mean of ``reps``
+    messages of ``bytes`` bytes; ``kind`` is ``p2p`` or ``allreduce``."""
 
     kind: str
     bytes: int
     seconds: float
     reps: int
     median_seconds: float | None = None
+    mean_seconds: float | None = None
 
 
 def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
@@ -113,18 +117,72 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> LinkFit:
 
 #: Which of a size's repetitions the fits use (a measurement cache keys calibrations by it, so
 #: one fitted otherwise is measured again).
-FIT_STATISTIC = "median"
+FIT_STATISTIC = "mean"
 #: How the probe times an all-reduce (:mod:`pipetrain.cluster.gloo_probe`): part of the
 #: measurement cache's key, so a calibration timed otherwise is measured again.
 ALLREDUCE_TIMED = "after a compute burst on every rank, from rank 0's arrival"
 
 
+def _typical(s: Sample) -> float:
+    """A size's mean (its median where a sample has no mean, else its fastest)."""
+    for t in (s.mean_seconds, s.median_seconds):
+        if t is not None:
+            return t
+    return s.seconds
+
+
+def _optional_seconds(sample: Mapping[str, Any], key: str) -> float | None:
+    return None if sample.get(key) is None else float(sample[key])
+
+
 def fit_samples(samples: Sequence[Sample], kind: str) -> LinkFit:
-    """:func:`fit_link` of the ``kind`` samples' typical times: each size's median (its fastest
-    where a sample has no median), the transfers a run's steady state is made of."""
+    """:func:`fit_link` of the ``kind`` samples' typical times: each size's mean (module
+    docstring), what a run's transfers cost it on average."""
     mine = [s for s in samples if s.kind == kind]
-    return fit_link([s.bytes for s in mine],
-                    [s.median_seconds if s.median_seconds is not None else s.seconds for s in mine])
+    return fit_link([s.bytes for s in mine], [_typical(s) for s in mine])
+
+
+#: (bytes, seconds) points of a measured cost curve, ascending in bytes and in seconds.
+Curve = tuple[tuple[float, float], ...]
+
+
+def measured_curve(samples: Sequence[Sample], kind: str) -> Curve:
+    """The ``kind`` samples' typical times (:func:`fit_samples`') by size, made non-decreasing
+    in size: where a larger size's time is below a smaller one's, the sizes between take their
+    pooled mean (pool-adjacent-violators), so a message never costs less for growing. Empty
+    without samples.
+
+    What it is for: the two-parameter fit cannot follow a machine whose small collectives wait
+    on the CPU scheduler. On the 2-core loopback an all-reduce's median was 0.33 ms at 4 bytes,
+    0.7-0.8 ms at 4-16 KiB and 2.8-3.3 ms from 64 KiB to 1 MiB in one calibration, where the
+    fit through them said 0.6 ms at 256 KiB; a BERT's tied embedding (256 KiB) is exchanged
+    at every STEP of both its stages, on the pipeline's critical path, and took 2.5 ms there
+    (the median after both ranks arrived, traced in a zero-bubble run).
+    """
+    pts = sorted((float(s.bytes), _typical(s)) for s in samples if s.kind == kind)
+    blocks: list[tuple[float, int]] = []  # (mean seconds, points pooled)
+    for _, t in pts:
+        mean, n = t, 1
+        while blocks and blocks[-1][0] > mean:
+            m0, n0 = blocks.pop()
+            mean, n = (m0 * n0 + mean * n) / (n0 + n), n0 + n
+        blocks.append((mean, n))
+    times = [mean for mean, n in blocks for _ in range(n)]
+    return tuple((s, t) for (s, _), t in zip(pts, times))
+
+
+def curve_seconds(curve: Curve, nbytes: float, seconds_per_byte: float) -> float:
+    """Seconds of an ``nbytes`` message on ``curve``: linear between measured sizes, the
+    smallest size's time below them, the largest's plus ``seconds_per_byte`` for every byte
+    beyond them (the fitted bandwidth)."""
+    if nbytes <= curve[0][0]:
+        return curve[0][1]
+    i = bisect.bisect_left([s for s, _ in curve], nbytes)
+    if i == len(curve):
+        s, t = curve[-1]
+        return t + (nbytes - s) * seconds_per_byte
+    (s0, t0), (s1, t1) = curve[i - 1], curve[i]
+    return t0 + (t1 - t0) * (nbytes - s0) / (s1 - s0)
 
 
 @dataclass(frozen=True)
@@ -142,6 +200,12 @@ class Calibration:
     measured_at: str = ""
     seconds: float = 0.0
     compute_slowdown: float = 1.0
+
+    @property
+    def allreduce_curve(self) -> Curve:
+        """The all-reduces' measured times over ``allreduce_ranks`` ranks by size
+        (:func:`measured_curve`); empty for a file without samples."""
+        return measured_curve(self.samples, "allreduce")
 
     @property
     def allreduce_bus_bandwidth(self) -> float:
@@ -175,7 +239,7 @@ class Calibration:
                     raise CalibrationError(f"{source}: {k} needs latency_seconds >= 0 and bandwidth_bytes_per_second "
                                            f"> 0, got {f.latency_seconds} and {f.bandwidth_bytes_per_second}")
             samples = tuple(Sample(str(s["kind"]), int(s["bytes"]), float(s["seconds"]), int(s["reps"]),
-                                   None if s.get("median_seconds") is None else float(s["median_seconds"]))
+                                   _optional_seconds(s, "median_seconds"), _optional_seconds(s, "mean_seconds"))
                             for s in d.get("samples", []))
             limit = d.get("bandwidth_limit_bits_per_second")
             slowdown = float(d.get("compute_slowdown", 1.0))

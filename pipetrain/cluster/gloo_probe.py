@@ -3,7 +3,7 @@
 Started by :func:`pipetrain.cluster.measure.calibrate` as ``python PATH/gloo_probe.py
 --rank R --world N --master HOST:PORT``. It imports only the standard library and torch (not
 the pipetrain package), so it starts fast. Rank 0 prints one JSON line
-``{"samples": [{"kind", "bytes", "seconds", "reps", "median_seconds"}, ...],
+``{"samples": [{"kind", "bytes", "seconds", "reps", "median_seconds", "mean_seconds"}, ...],
 "compute": {"alone_seconds", "together_seconds"}}``.
 
 Measurements (rank 0 decides sizes and repetitions and tells the others before each size):
@@ -25,8 +25,8 @@ Measurements (rank 0 decides sizes and repetitions and tells the others before e
   so a change of the machine's load lands in both.
 
 Sizes are 4 bytes, then 4 KiB growing 4x (16 KiB, 64 KiB, ...) until one message takes longer
-than ``--max-message-seconds`` (or 16 MiB). Each size gets one untimed round, then 3-15 timed
-ones (about ``TIME_PER_SIZE`` seconds of traffic); the fastest and the median are kept.
+than ``--max-message-seconds`` (or 16 MiB). Each size gets one untimed round, then 3-40 timed
+ones (about ``TIME_PER_SIZE`` seconds of traffic); the fastest, the median and the mean are kept.
 """
 from __future__ import annotations
 
@@ -40,6 +40,9 @@ from typing import Any
 
 MAX_BYTES = 16 * 1024 * 1024
 TIME_PER_SIZE = 0.15  # seconds of traffic spent on one size
+#: Timed repetitions of a size at most: the calibration fits their mean, and the small
+#: collectives' times here are heavy-tailed (module docstring of ``cluster.calibration``).
+MAX_REPS = 40
 
 
 def sizes() -> list[int]:
@@ -53,14 +56,15 @@ def sizes() -> list[int]:
 
 def reps_for(expected_seconds: float) -> int:
     """Timed repetitions of a size whose one operation is expected to take this long."""
-    return int(min(15, max(3, TIME_PER_SIZE / max(expected_seconds, 1e-6))))
+    return int(min(MAX_REPS, max(3, TIME_PER_SIZE / max(expected_seconds, 1e-6))))
 
 
 def _sample(kind: str, nbytes: int, times: list[float]) -> dict[str, Any]:
-    """The fastest and the median of ``times`` (the calibration fits the medians: what a run's
-    transfers typically take, the CPU scheduler's delays on shared cores included)."""
+    """The fastest, the median and the mean of ``times`` (the calibration fits the means: what
+    a run's transfers take on average, the CPU scheduler's delays on shared cores included)."""
     ts = sorted(times)
-    return {"kind": kind, "bytes": nbytes, "seconds": ts[0], "reps": len(ts), "median_seconds": ts[len(ts) // 2]}
+    return {"kind": kind, "bytes": nbytes, "seconds": ts[0], "reps": len(ts), "median_seconds": ts[len(ts) // 2],
+            "mean_seconds": sum(ts) / len(ts)}
 
 
 COMPUTE_SECONDS = 0.25  # seconds of the compute probe per phase and round

@@ -4,7 +4,7 @@
 :class:`~pipetrain.cluster.netns.EmulatedCluster` (gloo bound to the host's interface), each
 running the script :mod:`pipetrain.cluster.gloo_probe` (ping-pong and all-reduce timings of
 growing sizes; see there), and fits :class:`~pipetrain.cluster.calibration.Calibration` to
-rank 0's samples with :func:`~pipetrain.cluster.calibration.fit_samples` (their medians). A run takes a few
+rank 0's samples with :func:`~pipetrain.cluster.calibration.fit_samples` (their means). A run takes a few
 seconds whatever the link speed: sizes stop growing once one message takes longer than
 ``max_message_seconds``.
 """

@@ -2,7 +2,9 @@
 
 - :class:`CalibratedStageCosts` / :func:`calibrated_costs`: the simulator's costs of a plan
   with transfers at ``latency + bytes / bandwidth`` (the calibration's point-to-point fit) and
-  all-reduces at the calibrated ring time (:mod:`pipetrain.plan.calibrated`)::
+  all-reduces over the calibration's rank count at its measured medians by size
+  (:func:`~pipetrain.cluster.calibration.measured_curve`, linear between sizes), over other
+  rank counts at the calibrated ring time (:mod:`pipetrain.plan.calibrated`)::
 
       allreduce(P, r) = 2 (r-1)/r * P / B_bus + 2 (r-1) * alpha_step
 
@@ -18,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+from ..cluster.calibration import Curve, curve_seconds
 from ..errors import PlanError
 from ..plan.calibrated import calibrated_topology, ring_step_latency, slowed
 from ..plan.traffic import plan_traffic
@@ -36,17 +39,24 @@ __all__ = ["CalibratedStageCosts", "calibrated_costs", "predict_run"]
 
 @dataclass
 class CalibratedStageCosts(StageCosts):
-    """The simulator's costs with the calibrated ring all-reduce:
-    ``2 (r-1)/r * P / allreduce_bandwidth + 2 (r-1) * allreduce_step_latency``."""
+    """The simulator's costs with the calibrated all-reduce: over as many ranks as the
+    calibration measured (``curve_ranks``), its measured medians by size (``allreduce_curve``,
+    :func:`~pipetrain.cluster.calibration.measured_curve`); over other counts, or without
+    samples, the ring ``2 (r-1)/r * P / allreduce_bandwidth + 2 (r-1) * allreduce_step_latency``."""
 
     allreduce_bandwidth: float = float("inf")
     allreduce_step_latency: float = 0.0
+    allreduce_curve: Curve = ()
+    curve_ranks: int = 0
 
     def collective_time(self, nbytes: float, ranks: Sequence[int]) -> float:
         r = len(ranks)
         if r <= 1 or nbytes <= 0:
             return 0.0
-        return 2 * (r - 1) / r * nbytes / self.allreduce_bandwidth + 2 * (r - 1) * self.allreduce_step_latency
+        per_byte = 2 * (r - 1) / r / self.allreduce_bandwidth
+        if self.allreduce_curve and r == self.curve_ranks:
+            return curve_seconds(self.allreduce_curve, nbytes, per_byte)
+        return nbytes * per_byte + 2 * (r - 1) * self.allreduce_step_latency
 
 
 def calibrated_costs(plan: Plan, profile: Profile, cal: Calibration, units: int = 1,
@@ -83,7 +93,8 @@ def calibrated_costs(plan: Plan, profile: Profile, cal: Calibration, units: int 
                                 bandwidth=base.bandwidth, latency=base.latency, topology=base.topology,
                                 extra=dict(base.extra), tied=tuple(tied),
                                 allreduce_bandwidth=cal.allreduce_bus_bandwidth,
-                                allreduce_step_latency=ring_step_latency(cal))
+                                allreduce_step_latency=ring_step_latency(cal),
+                                allreduce_curve=cal.allreduce_curve, curve_ranks=cal.allreduce_ranks)
 
 
 def _slowed(c: StageCost, slow: float) -> StageCost:

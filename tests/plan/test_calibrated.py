@@ -145,6 +145,37 @@ def test_simulated_dp_minibatch_pays_one_measured_allreduce() -> None:
     assert stage["forward"] == pytest.approx(sum(n.forward_time for n in prof.nodes) / 2, rel=1e-9)
 
 
+def test_an_allreduce_over_the_calibrated_ranks_costs_the_measured_curve() -> None:
+    """A calibration with samples: an all-reduce over as many ranks as it measured costs the
+    measured curve at its bytes (in the simulated dp minibatch and in a tie's exchange), one
+    over another rank count the ring formula of the fit."""
+    from dataclasses import replace
+
+    from pipetrain.cluster.calibration import Sample, curve_seconds, fit_samples
+
+    prof = vgg_like()
+    P = sum(n.parameter_bytes for n in prof.nodes)
+    sizes = [4, 4096, 65536, 1 << 20, 16 << 20, 64 << 20]
+    samples = tuple(Sample("allreduce", n, 1e-4, 40, 2e-4, 1e-3 + n / 1e8 + (3e-3 if n >= 65536 else 0.0))
+                    for n in sizes)
+    base = make_cal(50 * MBIT)
+    cal = replace(base, samples=samples, allreduce=fit_samples(samples, "allreduce"))
+    assert 65536 < P < sizes[-1]
+    dp = Plan(stages=[Stage(nodes=list(prof.names), replicas=2)], model=prof.model, batch_size=prof.batch_size)
+    per_byte = 1 / cal.allreduce.bandwidth_bytes_per_second
+    want = curve_seconds(cal.allreduce_curve, P, per_byte)
+    assert want != pytest.approx(cal.allreduce.seconds(P), rel=0.01)  # the case the curve is for
+    costs = calibrated_costs(dp, prof, cal, units=2)
+    assert costs.allreduce_time(0, [0, 1]) == pytest.approx(want, rel=1e-12)
+    assert costs.collective_time(262144, [0, 1]) == pytest.approx(
+        curve_seconds(cal.allreduce_curve, 262144, per_byte), rel=1e-12)
+    four = costs.collective_time(P, [0, 1, 2, 3])  # not measured at 4 ranks: the ring formula
+    assert four == pytest.approx(1.5 * P / cal.allreduce_bus_bandwidth + 6 * ring_step_latency(cal), rel=1e-12)
+    C = sum(n.compute_time for n in prof.nodes)
+    got = predict_run(dp, prof, cal, "dp", steps=6)
+    assert got["time_per_minibatch"] == pytest.approx(C / 2 + want, rel=1e-9)
+
+
 def test_compute_slowdown_scales_every_compute_time_of_the_prediction() -> None:
     """A calibration measured with the ranks computing slower together than alone: the
     simulated F, B and STEP times are the profile's times that many times, the transfers as
