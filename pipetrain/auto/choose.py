@@ -79,8 +79,8 @@ if TYPE_CHECKING:
     from ..schedule.traffic import TiedBuffer
     from ..simulate.costs import MeasuredUnit
 
-__all__ = ["Candidate", "AutoChoice", "Rehearse", "REHEARSALS", "REHEARSAL_MAX_BYTES", "rehearsal_bytes", "choose",
-           "choose_on_profile", "microbatch_candidates", "scale_profile", "sample_shapes", "stage_parameters",
+__all__ = ["Candidate", "AutoChoice", "Rehearse", "compared", "REHEARSALS", "REHEARSAL_MAX_BYTES", "rehearsal_bytes",
+           "choose", "choose_on_profile", "microbatch_candidates", "scale_profile", "sample_shapes", "stage_parameters",
            "plan_ties", "STEP_SAMPLE_ELEMENTS"]
 
 #: A function giving the captured model and one unit of inputs at ``samples`` samples.
@@ -170,9 +170,12 @@ class AutoChoice:
         b = self.best
         if b.predicted_time is None:
             return "auto"
-        fastest = min(self.runnable, key=lambda c: c.predicted_time or 0.0)
-        how = (f"fastest of {len(self.runnable)} configurations" if fastest is b else
-               f"within {TIE_TOLERANCE:.0%} of the fastest of {len(self.runnable)} configurations, "
+        pool = compared(self.candidates)
+        fastest = min(pool, key=lambda c: c.predicted_time or 0.0)
+        among = (f"{len(pool)} configurations" if len(pool) == len(self.runnable) else
+                 f"the {len(pool)} compared of {len(self.runnable)} configurations")
+        how = (f"fastest of {among}" if fastest is b else
+               f"within {TIE_TOLERANCE:.0%} of the fastest of {among}, "
                f"{fastest.schedule} m={fastest.microbatches} at {(fastest.predicted_time or 0.0) * 1e3:.2f} ms, "
                f"and simpler: {_SEMANTICS[_semantics(b)]}")
         rehearsed = sum(1 for c in self.candidates if c.rehearsed)
@@ -675,12 +678,19 @@ def _best(out: list[Candidate], fix: str) -> Candidate:
     running its workers' own code, is not chosen over one that ran); else all of them."""
     from ..errors import PlanError
 
-    runnable = [c for c in out if c.predicted_time is not None]
-    if not runnable:
+    pool = compared(out)
+    if not pool:
         raise PlanError("no configuration could be planned for --schedule auto: "
                         + "; ".join(c.line() for c in out) + f"; {fix}")
+    return pick(pool)
+
+
+def compared(candidates: Sequence[Candidate]) -> list[Candidate]:
+    """The candidates the pick compares (module docstring, 6): the runnable ones rehearsed or
+    too large to rehearse, when there are any, else every runnable one."""
+    runnable = [c for c in candidates if c.predicted_time is not None]
     tried = [c for c in runnable if c.rehearsed or (c.rehearsal_note and not c.rehearsal_failed)]
-    return pick(tried or runnable)
+    return tried or runnable
 
 
 #: Predictions closer than this to the fastest are a tie (module docstring, 6): the

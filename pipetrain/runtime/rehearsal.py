@@ -22,7 +22,9 @@ short run) and, for each distinct set of stages a rank holds, in pipeline order:
    :class:`RehearsalComm`: no process group; a forward receive gets what the previous stage's
    rehearsal sent for that unit (real values), or another unit's of that cut; a backward
    receive a fixed small stand-in gradient; sends are kept for the next rank;
-3. keeps every compute action's and STEP's seconds.
+3. keeps every compute action's and STEP's seconds. Every STEP updates at a learning rate of
+   0: the same arithmetic as the run's, on weights that stay as built (stand-in gradients
+   would move them the same way every update, and a long rehearsal could overflow).
 
 The result is each stage's median seconds of one unit's F, B, I, W and of one STEP
 (:class:`~pipetrain.simulate.costs.MeasuredUnit`), leaving out the first minibatch (warm
@@ -200,7 +202,11 @@ def _rehearse_rank(run: ResolvedRun, rank: int, wires: _Wires, times: dict[tuple
     ties = next(iter(modules.values())).ties if modules else ()
     guard = NumericsGuard(rank, None, skip=False, synchronous=cfg.synchronous, schedule=cfg.parallel.schedule,
                           tied=holds_tie(ties, mine))
-    executor = Executor(rank, stages, comm, data, bundle.loss_fn, cfg.optimizer.lr, cfg.training.lr_schedule,
+    # The rehearsal times the updates, it does not train: at a learning rate of 0 an update
+    # does the same arithmetic and the weights stay those the first forward was finite with.
+    # Trained on stand-in gradients (fixed per wire, so every update moves the weights the
+    # same way), the default MLP's pipedream rehearsal overflowed to inf at minibatch 12-18 of 24.
+    executor = Executor(rank, stages, comm, data, bundle.loss_fn, 0.0, cfg.training.lr_schedule,
                         clip=cfg.training.clip_grad_norm, global_clip=False, lookahead=cfg.performance.lookahead,
                         record=True, hooks=[ForwardErrors(rank), guard], seed=cfg.training.seed)
     executor.run(schedule.workers[rank])

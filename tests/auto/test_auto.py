@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,15 @@ import pytest
 import torch
 from test_calibrated import MBIT, make_cal
 
-from pipetrain.auto.choose import TIE_TOLERANCE, AutoChoice, Candidate, choose, microbatch_candidates, pick
+from pipetrain.auto.choose import (
+    TIE_TOLERANCE,
+    AutoChoice,
+    Candidate,
+    choose,
+    compared,
+    microbatch_candidates,
+    pick,
+)
 from pipetrain.errors import PlanError, RuntimeConfigError
 from pipetrain.graph import capture
 from pipetrain.job import OptimizerConfig, TrainConfig
@@ -83,6 +92,18 @@ def test_predictions_within_the_tolerance_tie_and_go_to_the_simpler_semantics() 
     choice = AutoChoice(pick([fake("2bw", 0.700), fake("dp", 0.730)]), [fake("2bw", 0.700), fake("dp", 0.730)],
                         "test costs")
     assert "within 5% of the fastest of 2 configurations, 2bw m=4 at 700.00 ms" in choice.note()
+
+
+def test_the_plan_line_compares_the_choice_with_the_candidates_it_was_picked_from() -> None:
+    """A candidate whose rehearsal failed keeps its profile's (low) prediction but is not
+    compared; the line says the choice is the fastest of those compared, not 'within 5%' of it."""
+    failed = replace(fake("pipedream", 0.043), rehearsal_note="its rehearsal failed: NonFiniteError: ...",
+                     rehearsal_failed=True)
+    ran = replace(fake("2bw", 0.054), rehearsed=True)
+    choice = AutoChoice(pick(compared([failed, ran])), [failed, ran], "test costs")
+    assert choice.best is ran
+    assert "(fastest of the 1 compared of 2 configurations;" in choice.note()
+    assert "within" not in choice.note()
 
 
 def test_the_choice_times_everything_at_the_workers_threads(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,6 +6,7 @@ them, one rank after another in one process, timed.
 - one rank per distinct set of stages (replicas do the same work), in pipeline order;
 - a forward receive gets the previous stage's real output for that unit, a backward receive
   a fixed, finite stand-in; no process group is needed or made;
+- it times the updates without training: however long, it cannot overflow;
 - a candidate of the automatic choice resolves into a valid short run of its own schedule,
   microbatches and plan, and its rehearsal gives one measured unit per stage (a replicated
   stage, a Hugging Face model with a tied embedding).
@@ -130,6 +131,22 @@ def test_a_rehearsal_times_what_each_stage_runs(schedule: str, m: int, halves: b
             assert u.backward is None and u.input is not None and u.weight is not None and u.weight > 0
         else:
             assert u.backward is not None and u.backward > 0 and u.input is None and u.weight is None
+
+
+def test_a_long_rehearsal_does_not_train_so_it_cannot_overflow() -> None:
+    """A rehearsal's updates run at a learning rate of 0: its stand-in gradients, fixed per
+    wire, would move stage 0's weights the same way every update (the default MLP's pipedream
+    rehearsal overflowed at minibatch 12-18 of 24 and the choice lost its fastest candidate).
+    Here at a learning rate that overflows them within 15 updates, over 24 minibatches."""
+    cfg = TrainConfig.of(model="mlp", model_options=dict(TINY_OPTIONS["mlp"], depth=4, width=64), batch_size=8,
+                         workers=2, threads=1, lr=1e4)
+    _, captured = _load_captured(cfg, 8)
+    cand = Candidate("pipedream", 1, split_by_config(captured, [1, 1], "mlp", 8), 1e-6, profile_predicted_time=1e-6)
+    run = CandidateRehearsal(cfg, 2, 8).run_of(cand)
+    assert run.schedule.steps == REHEARSAL_MAX_STEPS
+    got = rehearse(run)
+    assert got.forwards == (REHEARSAL_MAX_STEPS - 1,) * 2
+    assert all(u.step is not None and u.step > 0 for u in got.stages)  # the updates are still timed
 
 
 def test_a_replicated_stage_is_rehearsed_once() -> None:
