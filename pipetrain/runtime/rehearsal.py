@@ -203,9 +203,9 @@ def _rehearse_rank(run: ResolvedRun, rank: int, wires: _Wires, times: dict[tuple
     guard = NumericsGuard(rank, None, skip=False, synchronous=cfg.synchronous, schedule=cfg.parallel.schedule,
                           tied=holds_tie(ties, mine))
     # The rehearsal times the updates, it does not train: at a learning rate of 0 an update
-    # does the same arithmetic and the weights stay those the first forward was finite with.
-    # Trained on stand-in gradients (fixed per wire, so every update moves the weights the
-    # same way), the default MLP's pipedream rehearsal overflowed to inf at minibatch 12-18 of 24.
+    # does the same arithmetic and the weights stay as built. Stand-in gradients are fixed per
+    # wire, so training on them would move every update the same way until a long rehearsal
+    # overflowed.
     executor = Executor(rank, stages, comm, data, bundle.loss_fn, 0.0, cfg.training.lr_schedule,
                         clip=cfg.training.clip_grad_norm, global_clip=False, lookahead=cfg.performance.lookahead,
                         record=True, hooks=[ForwardErrors(rank), guard], seed=cfg.training.seed)

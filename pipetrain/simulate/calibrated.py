@@ -2,7 +2,7 @@
 
 - :class:`CalibratedStageCosts` / :func:`calibrated_costs`: the simulator's costs of a plan
   with transfers at ``latency + bytes / bandwidth`` (the calibration's point-to-point fit) and
-  all-reduces over the calibration's rank count at its measured medians by size
+  all-reduces over the calibration's rank count at its measured means by size
   (:func:`~pipetrain.cluster.calibration.measured_curve`, linear between sizes), over other
   rank counts at the calibrated ring time (:mod:`pipetrain.plan.calibrated`)::
 
@@ -40,7 +40,7 @@ __all__ = ["CalibratedStageCosts", "calibrated_costs", "predict_run"]
 @dataclass
 class CalibratedStageCosts(StageCosts):
     """The simulator's costs with the calibrated all-reduce: over as many ranks as the
-    calibration measured (``curve_ranks``), its measured medians by size (``allreduce_curve``,
+    calibration measured (``curve_ranks``), its measured means by size (``allreduce_curve``,
     :func:`~pipetrain.cluster.calibration.measured_curve`); over other counts, or without
     samples, the ring ``2 (r-1)/r * P / allreduce_bandwidth + 2 (r-1) * allreduce_step_latency``."""
 
