@@ -105,14 +105,17 @@ def test_a_replicated_stages_step_divides_by_every_replicas_units() -> None:
     assert flat.tolist() == [6.0, 2.0]
 
 
-def mlp_candidate(schedule: str, m: int, replicas: list[int]) -> tuple[CandidateRehearsal, Candidate]:
+def mlp_candidate(schedule: str, m: int, replicas: list[int], predicted: float = 1.0,
+                  **options: Any) -> tuple[CandidateRehearsal, Candidate]:
+    """A tiny MLP's candidate, predicted at ``predicted`` seconds a minibatch (which sets how
+    many minibatches it is rehearsed for); ``options``: more of the run's settings."""
     cfg = TrainConfig.of(model="mlp", model_options=dict(TINY_OPTIONS["mlp"], depth=4, width=64), batch_size=8,
-                         workers=sum(replicas), threads=1)
+                         workers=sum(replicas), threads=1, **options)
     spec = get_schedule(schedule)
     unit = 8 // (1 if spec.unit == "minibatch" else m)
     _, captured = _load_captured(cfg, unit)
     plan = split_by_config(captured, replicas, "mlp", 8)
-    return CandidateRehearsal(cfg, sum(replicas), 8), Candidate(schedule, m, plan, 1.0)
+    return CandidateRehearsal(cfg, sum(replicas), 8), Candidate(schedule, m, plan, predicted)
 
 
 @pytest.mark.parametrize("schedule, m, halves", [("flush", 2, False), ("zerobubble", 2, True),
@@ -138,11 +141,8 @@ def test_a_long_rehearsal_does_not_train_so_it_cannot_overflow() -> None:
     wire, would move stage 0's weights the same way every update (the default MLP's pipedream
     rehearsal overflowed at minibatch 12-18 of 24 and the choice lost its fastest candidate).
     Here at a learning rate that overflows them within 15 updates, over 24 minibatches."""
-    cfg = TrainConfig.of(model="mlp", model_options=dict(TINY_OPTIONS["mlp"], depth=4, width=64), batch_size=8,
-                         workers=2, threads=1, lr=1e4)
-    _, captured = _load_captured(cfg, 8)
-    cand = Candidate("pipedream", 1, split_by_config(captured, [1, 1], "mlp", 8), 1e-6, profile_predicted_time=1e-6)
-    run = CandidateRehearsal(cfg, 2, 8).run_of(cand)
+    rehearsal, cand = mlp_candidate("pipedream", 1, [1, 1], predicted=1e-6, lr=1e4)
+    run = rehearsal.run_of(cand)
     assert run.schedule.steps == REHEARSAL_MAX_STEPS
     got = rehearse(run)
     assert got.forwards == (REHEARSAL_MAX_STEPS - 1,) * 2
