@@ -8,7 +8,9 @@ the same minutes as the others is the only fair comparison, and the medians of p
 per-round ratios cancel slow drifts of the machine's load. Each configuration is a fresh
 process tree (one process per worker, ``torch.set_num_threads(1)``, gloo on 127.0.0.1 with
 a free port, a deadline after which it is killed); warm-up steps are excluded and ``S``
-timed steps give samples/s = batch * S / (timed wall time of the slowest worker).
+timed steps give samples/s = batch * S / (timed wall time of the slowest worker). Every
+framework's 2-stage pipelines share one cut: by default the one that balances the per-layer
+forward+backward times measured before round 1 (``--split layers``: equal layer counts).
 
 Configurations (per model; ``m`` = microbatches, default 2, 4, 8):
   single                 the whole model in one process
@@ -363,6 +365,12 @@ PRESETS: dict[str, dict[str, Any]] = {
 #: one microbatch's forward and backward, 230 ms of 4.6 s for 2bw m=4) cost it 5% of the
 #: window; a synchronous schedule's per-minibatch flush is in every step at any count.
 PRESET_STEPS: dict[str, dict[str, int]] = {"headline": {"mlp": 20, "lm": 12}}
+#: The cut every framework's pipelines share. A pipeline runs at the pace of its slowest
+#: stage, so on an unbalanced cut every schedule is bound by the heavy stage and the ratios
+#: between schedules measure the cut more than the schedules (docs/performance.md, "Stage
+#: balance"). Balanced is the cut a planner makes: PipeDream balances its stages (SOSP'19,
+#: section 3.1); ``--split layers`` keeps equal layer counts.
+DEFAULT_SPLIT = "balanced"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -383,8 +391,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                         + ", ".join(f"--{k} {v}" for k, v in PRESETS["headline"].items()) + ")")
     p.add_argument("--four-workers", action="store_true", help="also run ceiling and pipetrain on 4 workers (4 stages)")
     p.add_argument("--split", choices=("layers", "balanced"), default=None,
-                   help="stage cut of the harness's pipelines: equal numbers of layers (default), or "
-                        "the cut that balances forward+backward time measured per layer before round 1")
+                   help="stage cut every framework's pipelines share: the cut that balances forward+backward "
+                        "time measured per layer before round 1 (default), or equal numbers of layers")
     p.add_argument("--quick", action="store_true",
                    help="smoke run: 1 round, 3 timed steps (lm 1), 1 warm-up, m=4, no 2bw, no memory prediction "
                         "(under 2 minutes on a quiet machine)")
@@ -399,7 +407,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(a, k, v)
     q = a.quick
     full_steps = PRESET_STEPS.get(a.preset or "", {"mlp": 20, "lm": 5})
-    a.split = a.split or "layers"
+    a.split = a.split or DEFAULT_SPLIT
     a.rounds = a.rounds or (1 if q else 5)
     quick_steps = {"mlp": 3, "lm": 1}
     a.steps_for = {m: a.steps or (quick_steps if q else full_steps)[m] for m in BATCH_SIZES}

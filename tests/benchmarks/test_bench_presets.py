@@ -3,7 +3,10 @@ bounds which configuration, and the per-model JSON fields, on made-up measuremen
 process is launched; speed is never asserted)."""
 from __future__ import annotations
 
+import itertools
+import random
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +51,29 @@ def test_preset_headline_and_skip(tmp_path: Path) -> None:
     assert "pipetrain_2bw_m8" not in names and len(names) == 19
     b = bench_run.parse_args(["--preset", "headline", "--rounds", "5", "--pipetrain", str(cli)])
     assert b.rounds == 5  # explicit options win
-    assert a.split == "balanced" and bench_run.parse_args(["--pipetrain", str(cli)]).split == "layers"
+    assert a.split == "balanced" and bench_run.parse_args(["--pipetrain", str(cli)]).split == "balanced"
+    assert bench_run.parse_args(["--split", "layers", "--pipetrain", str(cli)]).split == "layers"
+
+
+def _slowest_stage(times: list[float], cuts: Sequence[int]) -> float:
+    bounds = [0, *cuts, len(times)]
+    return max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:]))
+
+
+def test_the_default_cut_minimises_the_slowest_stage_as_brute_force_does() -> None:
+    import bench_models
+
+    rng = random.Random(0)
+    for _ in range(200):
+        times = [rng.choice([0.0, rng.uniform(0.001, 1.0)]) for _ in range(rng.randint(2, 9))]
+        for stages in range(2, min(4, len(times)) + 1):
+            cuts = bench_models.balanced_cuts(times, stages)
+            assert sorted(set(cuts)) == cuts and len(cuts) == stages - 1 and cuts[0] > 0 and cuts[-1] < len(times)
+            best = min(_slowest_stage(times, c) for c in itertools.combinations(range(1, len(times)), stages - 1))
+            assert _slowest_stage(times, cuts) == pytest.approx(best)
+    # the lm's per-layer times as measured (embedding, 8 blocks, head): 5 blocks / 3 + head
+    lm = [0.006, 0.104, 0.098, 0.101, 0.100, 0.101, 0.100, 0.099, 0.103, 0.200]
+    assert bench_models.balanced_cuts(lm, 2) == [6]
 
 
 def _cfg(name: str) -> Any:
