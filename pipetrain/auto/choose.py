@@ -43,6 +43,13 @@ measured costs and returns the fastest:
    already slower stays slower), at most :data:`REHEARSALS`. A candidate whose rank would
    hold more than :data:`REHEARSAL_MAX_BYTES` (the planner's memory rule for its schedule),
    or whose rehearsal fails, keeps its profile's prediction and says why.
+   5b. **Plan again on the rehearsal.** Per-node times measured on a busy machine can tip a
+   cut; a rehearsal times each stage as a whole, as its worker runs it. When the fastest
+   rehearsed pipeline's stages moved against each other (each stage's rehearsed over
+   profiled forward + backward, the largest over the smallest, beyond
+   :data:`REBALANCE_TOLERANCE`), its unit profile is scaled stage by stage to the rehearsed
+   times and planned again; a different plan is rehearsed, and replaces the candidate when
+   it rehearses faster.
 6. **Pick.** Among the candidates rehearsed or too large to rehearse (one whose rehearsal
    failed ran its workers' own code and is left out; all of them when none is), the
    fastest prediction wins, except that predictions within
@@ -102,6 +109,11 @@ class Rehearse(Protocol):
 #: The most candidates rehearsed, fastest first by the profile's prediction (step 5 of the
 #: module docstring): a rehearsal costs a short run of every rank.
 REHEARSALS = 4
+#: A rehearsal whose stages' compute moved against each other by more than this (the
+#: largest over the smallest of each stage's rehearsed over profiled seconds, less 1) plans
+#: the candidate's stages again on the rehearsed times (module docstring, 5b): one layer of
+#: a 16-layer stage is 6%, and a rehearsal repeats to a few percent.
+REBALANCE_TOLERANCE = 0.05
 #: A candidate whose rank would hold more than this is not rehearsed (its profile's
 #: prediction stands): the launcher holds what the rank's worker would, the bytes the
 #: planner's memory rule predicts for its schedule (plan/stage_memory.py: every weight
@@ -128,6 +140,12 @@ class Candidate:
     rehearsed: bool = False
     rehearsal_note: str | None = None     # why it was not rehearsed, or why its rehearsal failed
     rehearsal_failed: bool = False        # its rehearsal ran and failed (its workers would run the same code)
+    #: each stage's forward + backward seconds per unit as rehearsed (empty: not rehearsed)
+    rehearsed_stage_seconds: tuple[float, ...] = ()
+    #: how far the rehearsal moved the stages against each other: the largest over the
+    #: smallest of each stage's rehearsed over profiled compute (1.0: as the profile said)
+    rehearsed_imbalance: float = 1.0
+    replanned_from: str | None = None     # the stages it replaces, planned again on their rehearsal
 
     @property
     def config(self) -> str:
@@ -139,7 +157,8 @@ class Candidate:
                 "stage_unit_seconds": [dict(c) for c in self.stage_unit_seconds],
                 "profile_predicted_time_per_minibatch": self.profile_predicted_time,
                 "rehearsed": self.rehearsed, "rehearsal_note": self.rehearsal_note,
-                "rehearsal_failed": self.rehearsal_failed}
+                "rehearsal_failed": self.rehearsal_failed, "rehearsed_imbalance": self.rehearsed_imbalance,
+                "replanned_from": self.replanned_from}
 
     def line(self) -> str:
         if self.predicted_time is None:
@@ -150,6 +169,8 @@ class Candidate:
             how = f" (rehearsed; the profile said {self.profile_predicted_time * 1e3:.2f} ms)"
         elif self.rehearsal_note:
             how = f" (profile only: {self.rehearsal_note})"
+        if self.replanned_from:
+            how += f" (stages planned again on the rehearsal of {self.replanned_from})"
         return (f"{self.schedule} m={self.microbatches} {self.config}: {self.predicted_time * 1e3:.2f} ms"
                 + (f" ({idle} workers idle)" if idle else "") + how)
 
@@ -178,6 +199,8 @@ class AutoChoice:
                f"within {TIE_TOLERANCE:.0%} of the fastest of {among}, "
                f"{fastest.schedule} m={fastest.microbatches} at {(fastest.predicted_time or 0.0) * 1e3:.2f} ms, "
                f"and simpler: {_SEMANTICS[_semantics(b)]}")
+        if b.replanned_from:
+            how += f"; stages planned again on the rehearsal of {b.replanned_from}"
         rehearsed = sum(1 for c in self.candidates if c.rehearsed)
         compute = (f"{self.compute}, the {rehearsed} fastest rehearsed as their workers run them" if rehearsed
                    else self.compute)
@@ -348,6 +371,27 @@ def _is_parameter(gm: Any, target: str) -> bool:
     return True
 
 
+def _planned(unit_prof: Profile, plan_fn: Callable[[Profile], Plan], rehearsed: Candidate | None,
+             timed_as_whole: Callable[[list[list[str]], Profile], Profile]) -> tuple[Plan, Profile]:
+    """A pipeline candidate's plan and the unit profile it is made on: planned, its stages
+    timed as a whole (``timed_as_whole``) to correct the node sums, planned again once
+    (module docstring, 3); or, for a candidate ``rehearsed`` (5b), planned once on the
+    profile scaled stage by stage to its rehearsed times."""
+    from .stage_timing import refine_profile
+
+    if rehearsed is not None and rehearsed.plan is not None:
+        stages = [list(s.nodes) for s in rehearsed.plan.stages]
+        prof = refine_profile(unit_prof, stages, rehearsed.rehearsed_stage_seconds)
+        return plan_fn(prof), prof
+    plan = plan_fn(unit_prof)
+    lists = [list(s.nodes) for s in plan.stages]
+    if len(lists) > 1:
+        unit_prof = timed_as_whole(lists, unit_prof)
+        again = plan_fn(unit_prof)
+        plan = plan if _same(plan, again) else again
+    return plan, unit_prof
+
+
 def _same(a: Plan, b: Plan) -> bool:
     return [list(s.nodes) for s in a.stages] == [list(s.nodes) for s in b.stages] and a.replicas == b.replicas
 
@@ -384,6 +428,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     from ..plan.calibrated import plan_with_calibration, resolve_calibration
     from ..plan.cuts import split_by_config
     from ..profile import profiler
+    from ..schedule import get_schedule
     from .stage_timing import refine_profile, stage_seconds
 
     t0 = time.monotonic()
@@ -417,7 +462,9 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             key, lists, lambda: stage_seconds(captured.gm, inputs, lists, 2, tensor_values=captured.tensor_values))
         return refine_profile(unit_prof, lists, seconds)
 
-    def evaluate(name: str, spec: Any, m: int) -> Candidate:
+    def evaluate(name: str, spec: Any, m: int, rehearsed: Candidate | None = None) -> Candidate:
+        """``name`` at ``m`` planned and predicted; ``rehearsed``: the same candidate, whose
+        rehearsed stage times correct the unit profile it is planned on (5b)."""
         units = 1 if spec.unit == "minibatch" else m
         captured, inputs, unit_prof, key = at(batch_size // units)
         if spec.one_stage:  # the whole model is the stage: timed as a whole, like a pipeline's stages
@@ -429,12 +476,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             def plan_fn(p: Profile) -> Plan:
                 return plan_with_calibration(scale_profile(p, units, batch_size), workers, cal, opts)
 
-            plan = plan_fn(unit_prof)
-            lists = [list(s.nodes) for s in plan.stages]
-            if len(lists) > 1:  # stages timed as a whole correct the node sums; plan again once
-                unit_prof = timed_as_whole(captured, inputs, key, lists, unit_prof)
-                again = plan_fn(unit_prof)
-                plan = plan if _same(plan, again) else again
+            plan, unit_prof = _planned(unit_prof, plan_fn, rehearsed, partial(timed_as_whole, captured, inputs, key))
         why = _runnable(spec, plan, m, workers)
         if why is None and accept is not None:
             why = accept(Candidate(name, m, plan, None), captured)
@@ -458,6 +500,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         out = _each(names, workers, batch_size, microbatches, evaluate)
         if rehearse is not None:
             out = _rehearsed(out, rehearse, predictors, measured)
+            out = _rebalanced(out, lambda c: evaluate(c.schedule, get_schedule(c.schedule), c.microbatches, c),
+                              rehearse, predictors, measured)
     return AutoChoice(_best(out, "pass --schedule and --config instead"), out, costs, time.monotonic() - t0)
 
 
@@ -528,9 +572,40 @@ def _rehearsed(out: list[Candidate], rehearse: Rehearse, predictors: Mapping[int
             continue
         t = float(pred["time_per_minibatch"])
         done[id(c)] = replace(c, predicted_time=t, stage_unit_seconds=tuple(pred["stage_unit_seconds"]),
-                              rehearsed=True)
+                              rehearsed=True, rehearsed_stage_seconds=tuple(u.compute for u in units),
+                              rehearsed_imbalance=_imbalance(c.stage_unit_seconds, pred["stage_unit_seconds"]))
         best = min(best, t)
     return [done.get(id(c), c) for c in out]
+
+
+def _imbalance(profiled: Sequence[Mapping[str, float]], rehearsed: Sequence[Mapping[str, float]]) -> float:
+    """The largest over the smallest of each stage's rehearsed over profiled forward + backward."""
+    ratios = [(r["forward"] + r["backward"]) / (p["forward"] + p["backward"])
+              for p, r in zip(profiled, rehearsed) if p["forward"] + p["backward"] > 0]
+    return max(ratios) / min(ratios) if ratios and min(ratios) > 0 else 1.0
+
+
+def _rebalanced(out: list[Candidate], replan: Callable[[Candidate], Candidate], rehearse: Rehearse,
+                predictors: Mapping[int, _Predictor], measured: AutoMeasurements) -> list[Candidate]:
+    """``out`` with the fastest rehearsed pipeline planned again on its rehearsed stage times
+    when its rehearsal moved them against each other beyond :data:`REBALANCE_TOLERANCE`
+    (module docstring, 5b): the new plan is rehearsed, and it replaces the candidate when it
+    rehearses faster. At most one more rehearsal."""
+    pipelines = [c for c in out if c.rehearsed and c.plan is not None and c.plan.num_stages > 1]
+    if not pipelines:
+        return out
+    c = min(pipelines, key=lambda x: x.predicted_time or 0.0)
+    if c.rehearsed_imbalance <= 1.0 + REBALANCE_TOLERANCE or c.plan is None:
+        return out
+    again = replan(c)
+    if again.predicted_time is None or again.plan is None or _same(again.plan, c.plan):
+        return out
+    (again,) = _rehearsed([again], rehearse, predictors, measured)
+    if not again.rehearsed or (again.predicted_time or math.inf) >= (c.predicted_time or math.inf):
+        return out
+    cuts = "/".join(str(len(s.nodes)) for s in c.plan.stages)
+    was = f"{c.config} ({cuts} nodes, {(c.predicted_time or 0.0) * 1e3:.2f} ms rehearsed)"
+    return [replace(again, replanned_from=was) if x is c else x for x in out]
 
 
 def rehearsal_bytes(plan: Plan, profile: Profile, schedule: str, microbatches: int) -> float:

@@ -127,6 +127,12 @@ class MeasuredUnit:
         return replace(cost, forward_time=self.forward, backward_time=backward, weight_grad_fraction=fraction,
                        step_time=cost.step_time if self.step is None else self.step, recompute_time=0.0)
 
+    @property
+    def compute(self) -> float:
+        """The unit's forward and backward (B, else I + W) seconds."""
+        backward = self.backward if self.backward is not None else (self.input or 0.0) + (self.weight or 0.0)
+        return self.forward + backward
+
     def to_dict(self) -> dict[str, float | None]:
         return {"forward": self.forward, "backward": self.backward, "input": self.input, "weight": self.weight,
                 "step": self.step}

@@ -200,3 +200,63 @@ def test_a_candidate_whose_rehearsal_failed_is_not_chosen_over_one_that_ran() ->
     (failed,) = [c for c in choice.candidates if c.rehearsal_failed]
     assert (failed.schedule, failed.microbatches) == fake.asked[0]
     assert len(fake.asked) >= 2 and choice.best.rehearsed and choice.best is not failed
+
+
+def deep_at(samples: int) -> tuple[Any, tuple[Any, ...]]:
+    from test_auto import OPTIONS
+
+    from pipetrain.graph import capture
+    from pipetrain.models import get_model
+
+    torch.manual_seed(0)
+    b = get_model("mlp", batch_size=samples, **{**OPTIONS, "depth": 8})
+    return capture(b.model, b.example_inputs), tuple(b.make_batch(samples, torch.Generator().manual_seed(0))[0])
+
+
+class SlowNodes(FakeRehearse):
+    """A rehearsal on a machine whose costs are known: every Linear a unit takes 1 ms (a
+    third forward), anything else 0.02 ms, and the nodes in ``slow`` ``factor`` x that,
+    whatever the profile said."""
+
+    def __init__(self, slow: Sequence[str], factor: float) -> None:
+        super().__init__({})
+        self.settings = {"fake": "slow nodes"}  # not FakeRehearse's rehearsals in the cache
+        captured, _ = deep_at(4)
+        linear = {n.name for n in captured.graph.nodes
+                  if n.kind == "module" and isinstance(captured.gm.get_submodule(n.target), torch.nn.Linear)}
+        self.cost = {n.name: (1e-3 if n.name in linear else 2e-5) * (factor if n.name in slow else 1.0)
+                     for n in captured.graph.nodes if not n.is_input}
+
+    def __call__(self, c: Candidate) -> list[MeasuredUnit]:
+        self.asked.append((c.schedule, c.microbatches))
+        assert c.plan is not None
+        secs = [sum(self.cost.get(n, 0.0) for n in stage.nodes) for stage in c.plan.stages]
+        return [MeasuredUnit(t / 3, backward=2 * t / 3, step=1e-5) for t in secs]
+
+
+def test_stages_that_rehearse_unbalanced_are_planned_again_on_their_rehearsed_times(tmp_path: Path) -> None:
+    """5b: the profile put a cut, the rehearsal finds stage 0 twice as slow as the profile
+    said against stage 1; the stages are planned again on the rehearsed times, the new plan is
+    rehearsed once and replaces the candidate, with fewer nodes on stage 0 and faster. A
+    rehearsal as the profile said (any uniform factor) plans nothing again."""
+    # one profile for both choices (the cache), so both start from the same first plan
+    args = dict(kwargs(schedules=["flush"], microbatches=4), cache=MeasurementCache(tmp_path),
+                cache_key={"model": "mlp", "depth": 8})
+    uniform = FakeRehearse({"flush": 1.3})
+    plain = choose(deep_at, rehearse=uniform, **args)
+    (first,) = [c for c in plain.candidates if c.rehearsed]
+    assert first.plan is not None and first.plan.num_stages == 2 and first.replanned_from is None
+    assert first.rehearsed_imbalance == pytest.approx(1.0) and len(uniform.asked) == 1
+    fake = SlowNodes(first.plan.stages[0].nodes, 2.0)
+    choice = choose(deep_at, rehearse=fake, **args)
+    assert fake.asked == [("flush", 4), ("flush", 4)]  # the first plan, then the one planned again
+    best = choice.best
+    assert best.replanned_from is not None and first.config in best.replanned_from
+    assert best.plan is not None and best.rehearsed and best in choice.candidates
+    assert len(best.plan.stages[0].nodes) < len(first.plan.stages[0].nodes)
+
+    def slowest(plan: Any) -> float:  # the bottleneck stage on this machine
+        return max(sum(fake.cost.get(n, 0.0) for n in stage.nodes) for stage in plan.stages)
+    assert slowest(best.plan) < slowest(first.plan)
+    assert "planned again on the rehearsal of" in best.line() and "planned again" in choice.note()
+    assert len(choice.candidates) == len(plain.candidates)
