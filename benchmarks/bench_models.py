@@ -14,6 +14,7 @@ trains, cut in the same place (pipetrain gets the cut as ``--cut`` module names)
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -177,7 +178,26 @@ def child_times(bm: BenchModel, seed: int = 0) -> list[float]:
             found = child_of(node.target)
             current = found if found is not None else current
         times[current] += cost.get(node.name, 0.0)
-    return times
+    return same_structure_medians(times, [structure(c) for c in bm.layers])
+
+
+def structure(module: Any) -> str:
+    """What a child's cost depends on: its modules' types and its parameters' shapes."""
+    return "|".join([*(type(m).__name__ for m in module.modules()),
+                     *(f"{n}:{tuple(p.shape)}" for n, p in module.named_parameters())])
+
+
+def same_structure_medians(times: Sequence[float], structures: Sequence[str]) -> list[float]:
+    """``times`` with each child's replaced by the median over the children of its structure.
+
+    Invariant: in the benchmark's models, children of the same structure also take inputs of
+    the same shape, so they cost the same and the median of their measurements estimates
+    each (one timing of a layer on a shared machine can move a cut by a layer).
+    """
+    groups: dict[str, list[float]] = {}
+    for t, key in zip(times, structures):
+        groups.setdefault(key, []).append(t)
+    return [statistics.median(groups[key]) for key in structures]
 
 
 def balanced_cuts(times: Sequence[float], stages: int) -> list[int]:

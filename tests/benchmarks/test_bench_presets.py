@@ -76,6 +76,20 @@ def test_the_default_cut_minimises_the_slowest_stage_as_brute_force_does() -> No
     assert bench_models.balanced_cuts(lm, 2) == [6]
 
 
+def test_children_of_one_structure_are_timed_as_their_median_so_identical_layers_cut_evenly() -> None:
+    import bench_models
+    import torch.nn as nn
+
+    layers = [m for _ in range(16) for m in (nn.Linear(8, 8), nn.ReLU())]
+    keys = [bench_models.structure(m) for m in layers]
+    assert len(set(keys)) == 2 and bench_models.structure(nn.Linear(8, 4)) != keys[0]
+    rng = random.Random(1)
+    noisy = [rng.uniform(4.0, 5.7) if isinstance(m, nn.Linear) else rng.uniform(0.07, 0.3) for m in layers]
+    smooth = bench_models.same_structure_medians(noisy, keys)
+    assert len(set(smooth)) == 2 and sorted(noisy)[7] <= smooth[0] <= sorted(noisy)[24]
+    assert bench_models.balanced_cuts(smooth, 2) == [16]  # 8 Linear + ReLU pairs each
+
+
 def _cfg(name: str) -> Any:
     return next(c for c in bench_run.build_configs([4, 8], four_workers=False) if c.name == name)
 
