@@ -597,7 +597,12 @@ def _rebalanced(out: list[Candidate], replan: Callable[[Candidate], Candidate], 
     c = min(pipelines, key=lambda x: x.predicted_time or 0.0)
     if c.rehearsed_imbalance <= 1.0 + REBALANCE_TOLERANCE or c.plan is None:
         return out
-    again = replan(c)
+    from ..errors import PipetrainError
+
+    try:
+        again = replan(c)
+    except (PipetrainError, RuntimeError, ValueError):  # the candidate as planned and rehearsed stands
+        return out
     if again.predicted_time is None or again.plan is None or _same(again.plan, c.plan):
         return out
     (again,) = _rehearsed([again], rehearse, predictors, measured)

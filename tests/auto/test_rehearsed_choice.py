@@ -260,3 +260,26 @@ def test_stages_that_rehearse_unbalanced_are_planned_again_on_their_rehearsed_ti
     assert slowest(best.plan) < slowest(first.plan)
     assert "planned again on the rehearsal of" in best.line() and "planned again" in choice.note()
     assert len(choice.candidates) == len(plain.candidates)
+
+
+def test_a_plan_made_again_that_fails_leaves_the_rehearsed_candidate(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    """5b is a refinement: when planning again on the rehearsed times fails, the candidate
+    as planned and rehearsed is kept, and the choice is made."""
+    import pipetrain.auto.choose as choose_module
+
+    args = dict(kwargs(schedules=["flush"], microbatches=4), cache=MeasurementCache(tmp_path),
+                cache_key={"model": "mlp", "depth": 8})
+    first = next(c for c in choose(deep_at, rehearse=FakeRehearse({}), **args).candidates if c.rehearsed)
+    assert first.plan is not None
+
+    planned = choose_module._planned
+
+    def refuse_again(unit_prof: Any, plan_fn: Any, rehearsed: Any, timed: Any) -> Any:
+        if rehearsed is not None:
+            raise PlanError("no plan on these times")
+        return planned(unit_prof, plan_fn, rehearsed, timed)
+    monkeypatch.setattr(choose_module, "_planned", refuse_again)
+    fake = SlowNodes(first.plan.stages[0].nodes, 2.0)
+    choice = choose(deep_at, rehearse=fake, **args)
+    assert fake.asked == [("flush", 4)] and choice.best.replanned_from is None and choice.best.rehearsed
