@@ -157,6 +157,7 @@ def child_times(bm: BenchModel, seed: int = 0) -> list[float]:
 
     from pipetrain.graph import capture
     from pipetrain.profile import profile_captured
+    from pipetrain.profile.cache import model_fingerprint
 
     inputs, _ = bm.make_batch(bm.batch_size, torch.Generator().manual_seed(seed + 1))
     captured = capture(bm.model, tuple(inputs))
@@ -178,17 +179,12 @@ def child_times(bm: BenchModel, seed: int = 0) -> list[float]:
             found = child_of(node.target)
             current = found if found is not None else current
         times[current] += cost.get(node.name, 0.0)
-    return same_structure_medians(times, [structure(c) for c in bm.layers])
-
-
-def structure(module: Any) -> str:
-    """What a child's cost depends on: its modules' types and its parameters' shapes."""
-    return "|".join([*(type(m).__name__ for m in module.modules()),
-                     *(f"{n}:{tuple(p.shape)}" for n, p in module.named_parameters())])
+    return same_structure_medians(times, [model_fingerprint(c) for c in bm.layers])
 
 
 def same_structure_medians(times: Sequence[float], structures: Sequence[str]) -> list[float]:
-    """``times`` with each child's replaced by the median over the children of its structure.
+    """``times`` with each child's replaced by the median over the children of its structure
+    (``structures``: one key per child, :func:`pipetrain.profile.cache.model_fingerprint`).
 
     Invariant: in the benchmark's models, children of the same structure also take inputs of
     the same shape, so they cost the same and the median of their measurements estimates

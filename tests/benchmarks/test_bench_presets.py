@@ -80,9 +80,11 @@ def test_children_of_one_structure_are_timed_as_their_median_so_identical_layers
     import bench_models
     import torch.nn as nn
 
+    from pipetrain.profile.cache import model_fingerprint
+
     layers = [m for _ in range(16) for m in (nn.Linear(8, 8), nn.ReLU())]
-    keys = [bench_models.structure(m) for m in layers]
-    assert len(set(keys)) == 2 and bench_models.structure(nn.Linear(8, 4)) != keys[0]
+    keys = [model_fingerprint(m) for m in layers]
+    assert len(set(keys)) == 2 and model_fingerprint(nn.Linear(8, 4)) != keys[0]
     rng = random.Random(1)
     noisy = [rng.uniform(4.0, 5.7) if isinstance(m, nn.Linear) else rng.uniform(0.07, 0.3) for m in layers]
     smooth = bench_models.same_structure_medians(noisy, keys)
