@@ -123,15 +123,19 @@ class MeasuredUnit:
         halves = (self.input or 0.0) + (self.weight or 0.0)
         if self.input is not None and self.weight is not None and halves > 0:
             fraction = self.weight / halves
-        backward = self.backward if self.backward is not None else halves
-        return replace(cost, forward_time=self.forward, backward_time=backward, weight_grad_fraction=fraction,
+        return replace(cost, forward_time=self.forward, backward_time=self.whole_backward,
+                       weight_grad_fraction=fraction,
                        step_time=cost.step_time if self.step is None else self.step, recompute_time=0.0)
 
     @property
+    def whole_backward(self) -> float:
+        """The unit's backward seconds: B, else I + W."""
+        return self.backward if self.backward is not None else (self.input or 0.0) + (self.weight or 0.0)
+
+    @property
     def compute(self) -> float:
-        """The unit's forward and backward (B, else I + W) seconds."""
-        backward = self.backward if self.backward is not None else (self.input or 0.0) + (self.weight or 0.0)
-        return self.forward + backward
+        """The unit's forward and backward seconds."""
+        return self.forward + self.whole_backward
 
     def to_dict(self) -> dict[str, float | None]:
         return {"forward": self.forward, "backward": self.backward, "input": self.input, "weight": self.weight,
