@@ -57,6 +57,14 @@ from .topology import check_topology, unit_workers
 from .types import Plan, Stage, Topology
 
 COST_MODELS = ("pipetrain", "pipedream")
+#: The most element terms :meth:`CostModel.tabulate` keeps (pairs x replica counts above 1):
+#: 64 MB of float64; beyond it the replica search uses the closed form.
+TABLE_ELEMENTS = 8_000_000
+#: The most replicas :meth:`CostModel.tabulate` tabulates: a table costs one evaluation of
+#: every pair's term per count, the closed-form search two or three per step over about 35
+#: steps, so beyond this the table takes longer than the search it saves
+#: (``benchmarks/plan_speed.py``: 64 workers on a 500-layer chain 0.43 s closed, 1.04 s tabulated).
+TABLE_REPLICAS = 16
 DEFAULT_COST_MODEL = "pipetrain"
 
 
@@ -139,15 +147,50 @@ class CostModel:
         return self.term(prep["lv"], prep["E"][idx], prep["Bw"][idx], prep["P"][idx], prep["Xs"][idx],
                          prep["Xe"][idx], m)
 
+    def tabulate(self, prep: dict[str, Any], max_replicas: int) -> bool:
+        """Keep every prepared element's term at ``2..max_replicas`` replicas in ``prep``
+        (``"table"``, one row per count) when ``max_replicas`` is at most
+        :data:`TABLE_REPLICAS` and the table at most :data:`TABLE_ELEMENTS` values;
+        :meth:`min_replicas` then reads it, exactly and without the closed form, and
+        :meth:`limits` lists the values a plan's time can take. Returns whether it did."""
+        n = len(prep["E"])
+        if not 2 <= max_replicas <= TABLE_REPLICAS or n * (max_replicas - 1) > TABLE_ELEMENTS:
+            return False
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            table = np.empty((max_replicas - 1, n))
+            for row, m in enumerate(range(2, max_replicas + 1)):
+                table[row] = self.term_at(prep, slice(None), np.float64(m))  # type: ignore[arg-type]
+        prep["table"] = table
+        return True
+
+    def limits(self, prep: dict[str, Any]) -> np.ndarray | None:
+        """Every finite term of the tabulated elements at 1 to ``max_replicas`` replicas,
+        sorted and distinct: a plan's time (the largest of its terms) is one of them. None
+        when :meth:`tabulate` did not tabulate."""
+        table = prep.get("table")
+        if table is None:
+            return None
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+            one = self.term_at(prep, slice(None), np.float64(1.0))  # type: ignore[arg-type]
+        values = np.concatenate([one, table.ravel()])
+        return np.unique(values[np.isfinite(values)])
+
     def min_replicas(self, prep: dict[str, Any], tau: float, exact: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """For each prepared element: whether 1 replica meets ``term <= tau``, and the least
         ``m >= 2`` that does (``inf`` when none does).
 
-        The closed form (:meth:`_guess`) is exact in real arithmetic; ``exact`` also checks it
-        against :meth:`term` in floating point and moves ``m`` by one where they disagree.
+        From the table when :meth:`tabulate` kept one (exact; ``inf`` past its largest count).
+        Else the closed form (:meth:`_guess`), exact in real arithmetic; ``exact`` also checks
+        it against :meth:`term` in floating point and moves ``m`` by one where they disagree.
         """
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             ok1 = self._ok1(prep, tau)
+            table = prep.get("table")
+            if table is not None:
+                fits = table <= tau
+                first = fits.argmax(axis=0)
+                found = fits[first, np.arange(fits.shape[1])]
+                return ok1, np.where(found, first + 2.0, np.inf)
             m = self._guess(prep, tau)
             m = np.where(np.isfinite(m), np.maximum(m, 2.0), np.inf)
             if not exact:

@@ -131,9 +131,21 @@ CASES = [(n, seed, chain, N) for seed, (n, chain, N) in enumerate(
      (8, False, 3), (9, False, 2), (7, False, 4), (8, True, 3), (6, False, 3), (8, False, 2)])]
 
 
+@pytest.fixture(params=["tabulated", "closed form"])
+def replica_search(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Both ways the DP finds an element's least replicas: the table of its terms at every
+    count (and the search over the times a plan can take), and the closed form beyond
+    ``TABLE_ELEMENTS`` (with the geometric search to ``rel_tol``)."""
+    if request.param == "closed form":
+        from pipetrain.plan import cost
+
+        monkeypatch.setattr(cost, "TABLE_ELEMENTS", 0)
+    return str(request.param)
+
+
 @pytest.mark.parametrize("n,seed,chain,N", CASES)
 @pytest.mark.parametrize("B", [1e9, 1e10])
-def test_optimum_equals_brute_force(n: int, seed: int, chain: bool, N: int, B: float) -> None:
+def test_optimum_equals_brute_force(n: int, seed: int, chain: bool, N: int, B: float, replica_search: str) -> None:
     prof = random_profile(n, seed, chain)
     topo = Topology.flat(N, B)
     p = plan(prof, topo, PD)
@@ -144,7 +156,7 @@ def test_optimum_equals_brute_force(n: int, seed: int, chain: bool, N: int, B: f
 
 
 @pytest.mark.parametrize("n,seed,chain,N", CASES[:6])
-def test_forced_stage_count_equals_brute_force(n: int, seed: int, chain: bool, N: int) -> None:
+def test_forced_stage_count_equals_brute_force(n: int, seed: int, chain: bool, N: int, replica_search: str) -> None:
     prof = random_profile(n, seed, chain)
     for k in range(1, N + 1):
         p = plan(prof, Topology.flat(N, 1e9), PlanOptions(cost_model="pipedream", num_stages=k))
@@ -153,7 +165,8 @@ def test_forced_stage_count_equals_brute_force(n: int, seed: int, chain: bool, N
 
 
 @pytest.mark.parametrize("n,seed,chain,N", CASES[:8])
-def test_memory_limited_optimum_equals_brute_force(n: int, seed: int, chain: bool, N: int) -> None:
+def test_memory_limited_optimum_equals_brute_force(n: int, seed: int, chain: bool, N: int,
+                                                   replica_search: str) -> None:
     prof = random_profile(n, seed, chain)
     prof.optimizer_state_bytes_per_parameter_byte = 1.0
     free = plan(prof, Topology.flat(N, 1e9), PD)
@@ -224,6 +237,24 @@ def test_predicted_time_equals_evaluate(path: Path) -> None:
             C = prof.total_forward_time + prof.total_backward_time
             assert p.data_parallel_time == pytest.approx(
                 max(C, 4 * (N - 1) * prof.total_parameter_bytes / (N * B)) / N, rel=1e-12)
+
+
+@pytest.mark.parametrize("path", TXT_FILES, ids=lambda p: p.stem)
+def test_the_tabulated_search_plans_as_the_closed_form(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same stages, replicas and time either way, on both cost models, with and without
+    a stage count, flat and hierarchical."""
+    from pipetrain.plan import cost
+
+    prof = load_profile(path)
+    cases = [(Topology.flat(4, 1.25e9), PD), (Topology.flat(16, 1e9), PlanOptions()),
+             (Topology.flat(3, 5e8), PlanOptions(num_stages=2)), (parse_topology("4,2", "1e10,1e9"), PlanOptions())]
+    for topo, opts in cases:
+        tabulated = plan(prof, topo, opts)
+        monkeypatch.setattr(cost, "TABLE_ELEMENTS", 0)
+        closed = plan(prof, topo, opts)
+        monkeypatch.undo()
+        assert [(s.nodes, s.replicas) for s in tabulated.stages] == [(s.nodes, s.replicas) for s in closed.stages]
+        assert tabulated.predicted_time == pytest.approx(closed.predicted_time, rel=1e-9)
 
 
 def test_vgg16_16_workers_10gbit_is_15_1() -> None:
