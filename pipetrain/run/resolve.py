@@ -245,9 +245,12 @@ def _one_host() -> bool:
     return os.environ.get("LOCAL_WORLD_SIZE") == os.environ.get("WORLD_SIZE")
 
 
-def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tuple[TrainConfig, Any]:
+def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
+          whole: tuple[Any, Any]) -> tuple[TrainConfig, Any]:
     """``--schedule auto``: the fastest predicted configuration (pipetrain.auto.choose) whose
-    replicas suit the run's step counts; the configuration with its schedule and microbatches."""
+    replicas suit the run's step counts; the configuration with its schedule and microbatches.
+    ``whole``: the bundle and capture at ``batch`` samples already made (:func:`_load_captured`),
+    what the choice takes for its whole-minibatch unit instead of capturing the model again."""
     from dataclasses import replace
 
     from ..auto.choose import choose
@@ -263,7 +266,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None) -> tupl
         # plan's node names are the workers' (a model's graph may depend on its tensors'
         # device); the profile holds a few of its tensors at a time (pipetrain.graph.held).
         # A factory may size its model by the batch it is given: built per unit size.
-        bundle, captured = _load_captured(cfg, samples)
+        bundle, captured = whole if samples == batch else _load_captured(cfg, samples)
         inputs = bundle.make_batch(samples, torch.Generator().manual_seed(cfg.training.seed))[0]
         return captured, tuple(inputs)
 
@@ -557,9 +560,9 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     batch = resolve_batch_size(cfg)
     auto = None
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
-        first, whole = _load_captured(cfg, batch)
-        _check_layers(cfg, workers, sum(1 for n in whole.graph.nodes if not n.is_input))  # before measuring
-        cfg, auto = _auto(cfg, workers, batch, world)
+        whole = _load_captured(cfg, batch)
+        _check_layers(cfg, workers, sum(1 for n in whole[1].graph.nodes if not n.is_input))  # before measuring
+        cfg, auto = _auto(cfg, workers, batch, world, whole)
         par, spec = cfg.parallel, cfg.spec
         options = par.schedule_options
     if workers == 1:

@@ -149,3 +149,23 @@ def test_without_a_model_key_only_the_calibration_is_kept(private_cache: Path, m
     profiles, _, calibrations = counts.take()
     assert profiles == 2 and calibrations == 1
     assert {p.parent.name for p in private_cache.glob("*/*.json")} == {"calibration", "optimizer-step"}
+
+
+def test_the_choice_takes_the_whole_minibatchs_capture_the_resolve_made(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """The resolve captures the model at the whole minibatch (its layer check) before the
+    choice, which measures that unit size too: one capture serves both (the launcher's
+    captures for the profiles: one per unit size)."""
+    import pipetrain.run.resolve as resolve
+
+    real = resolve.load_captured
+    samples: list[int] = []
+
+    def load_captured(cfg: Any, unit_batch: int, **kwargs: Any) -> Any:
+        samples.append(unit_batch)
+        return real(cfg, unit_batch, **kwargs)
+
+    monkeypatch.setattr(resolve, "load_captured", load_captured)
+    run = resolve_run(auto_config(tmp_path, microbatches=None, cache=False))
+    assert run.plan is not None
+    assert sorted(samples) == [2, 4, 8, 16], samples  # the choice measured every unit size, each captured once
