@@ -147,21 +147,20 @@ class CostModel:
         return self.term(prep["lv"], prep["E"][idx], prep["Bw"][idx], prep["P"][idx], prep["Xs"][idx],
                          prep["Xe"][idx], m)
 
-    def tabulate(self, prep: dict[str, Any], max_replicas: int) -> bool:
+    def tabulate(self, prep: dict[str, Any], max_replicas: int) -> None:
         """Keep every prepared element's term at ``2..max_replicas`` replicas in ``prep``
         (``"table"``, one row per count) when ``max_replicas`` is at most
         :data:`TABLE_REPLICAS` and the table at most :data:`TABLE_ELEMENTS` values;
         :meth:`min_replicas` then reads it, exactly and without the closed form, and
-        :meth:`limits` lists the values a plan's time can take. Returns whether it did."""
+        :meth:`limits` lists the values a plan's time can take (None without a table)."""
         n = len(prep["E"])
         if not 2 <= max_replicas <= TABLE_REPLICAS or n * (max_replicas - 1) > TABLE_ELEMENTS:
-            return False
+            return
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             table = np.empty((max_replicas - 1, n))
             for row, m in enumerate(range(2, max_replicas + 1)):
                 table[row] = self.term_at(prep, slice(None), np.float64(m))  # type: ignore[arg-type]
         prep["table"] = table
-        return True
 
     def limits(self, prep: dict[str, Any]) -> np.ndarray | None:
         """Every finite term of the tabulated elements at 1 to ``max_replicas`` replicas,
