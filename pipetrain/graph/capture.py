@@ -38,6 +38,7 @@ Correspondence between the two views (the runtime relies on it):
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import inspect
 import io
 import logging
@@ -45,7 +46,7 @@ import operator
 import os
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -59,6 +60,7 @@ from .types import LayerGraph, LayerNode, TensorMeta
 __all__ = [
     "CapturedModel", "SharedParameter", "capture", "model_parameter_bytes", "tensor_metas",
     "node_op_name", "is_inplace_node", "inplace_writers", "buffer_updates", "BufferUpdate",
+    "rebatched", "structure_digest",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -143,6 +145,8 @@ class CapturedModel:
     folded_attributes: dict[str, list[str]] = field(default_factory=dict)
     unused_parameters: list[str] = field(default_factory=list)
     tensor_values: Callable[[str], torch.Tensor | None] | None = field(default=None, repr=False, compare=False)
+    #: the captured model's :func:`structure_digest` (what :func:`rebatched` compares)
+    structure: str = ""
 
 
 # --------------------------------------------------------------------------- small helpers
@@ -975,7 +979,95 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
                 failures.append(result)
                 continue
             gm, metas = result
-            return _build(model, gm, method, metas)
+            return replace(_build(model, gm, method, metas), structure=structure_digest(model))
         ref.run()  # wrong example batch: report that rather than the tracers' errors
     raise CaptureError(f"cannot capture model {type(model).__name__} as a graph: {'; '.join(failures)}; "
                        f"{_fix_for(failures)}")
+
+
+# --------------------------------------------------------------------------- the same graph at another batch
+
+
+def structure_digest(model: nn.Module) -> str:
+    """A digest of what a graph of ``model`` depends on besides its inputs: the modules' repr
+    and every parameter's and buffer's name, shape and dtype (a factory that sizes its model
+    by the batch changes it)."""
+    parts = [repr(model)]
+    parts += [f"{n}:{tuple(t.shape)}:{t.dtype}" for n, t in _named_tensors(model)]
+    return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:32]
+
+
+def _batch_fits(gm: torch.fx.GraphModule, inputs: tuple[Any, ...]) -> bool:
+    """Whether every input's shape is one the graph was traced for: an fx graph records no
+    example shape; a ``torch.export`` graph's placeholder holds each dimension as a number,
+    or as a symbol with the range of values its guards proved (``VR[2, int_oo]`` for a batch
+    exported with ``Dim.AUTO``: 0 and 1 are specialised, so a batch of 1 is captured again)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(inputs):
+        return False
+    for ph, x in zip(placeholders, inputs):
+        val = ph.meta.get("val")
+        if not isinstance(x, torch.Tensor) or not isinstance(val, torch.Tensor):
+            continue
+        if val.dim() != x.dim():
+            return False
+        for traced, size in zip(val.shape, x.shape):
+            if isinstance(traced, int):
+                if traced != size:
+                    return False
+                continue
+            bounds = traced.node.shape_env.bound_sympy(traced.node.expr)  # a symbol's range, a constant's value
+            if not bool(bounds.lower <= size) or not bool(size <= bounds.upper):
+                return False
+    return True
+
+
+def _same_shapes(a: Any, b: Any) -> bool:
+    la = [t for t in pytree.tree_leaves(a) if isinstance(t, torch.Tensor)]
+    lb = [t for t in pytree.tree_leaves(b) if isinstance(t, torch.Tensor)]
+    return len(la) == len(lb) and all(x.shape == y.shape and x.dtype == y.dtype for x, y in zip(la, lb))
+
+
+_UNCHECKED = object()
+
+
+def rebatched(captured: CapturedModel, model: nn.Module,
+              example_inputs: tuple[Any, ...] | torch.Tensor) -> CapturedModel | None:
+    """``captured`` at another example batch without tracing again, or ``None`` where that is
+    not known to hold (then :func:`capture` it).
+
+    It holds when ``model`` has the structure the graph was captured from
+    (:func:`structure_digest`), every input's shape lies in what the tracer proved the graph
+    valid for (an fx graph is symbolic; a ``torch.export`` graph's batch symbol has a range)
+    and the graph run on ``example_inputs`` gives the model's own output shapes (its values
+    too when the model has them, as :func:`capture` checks; an export graph is taken on its
+    guards alone where the model cannot run on ``meta``). The result shares ``gm`` and
+    every batch-free field; its layer graph's tensor metas are the new batch's. The model's
+    buffers, the graph's and the global RNG are left unchanged.
+    """
+    inputs = _as_tuple(example_inputs)
+    if not captured.structure or captured.structure != structure_digest(model) or not _batch_fits(captured.gm, inputs):
+        return None
+    devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
+    seed = 0x5EED
+    graph_state = BufferSnapshot(captured.gm)
+    with _no_kv_cache(model), preserved_state(model, devices):
+        try:
+            metas, out = _propagate(captured.gm, inputs, seed)
+        except Exception:  # noqa: BLE001 - a graph that does not run here is captured again
+            return None
+        finally:
+            graph_state.restore()
+        try:
+            ref = _eager(model, inputs, seed)
+        except Exception:  # noqa: BLE001
+            # on meta a model may ask a tensor's value (a data-dependent branch); an export
+            # graph's guards already hold for every batch in its range, an fx graph has none
+            ref = _UNCHECKED if captured.method == "export" else None
+    if ref is None:
+        return None
+    on_meta = any(t.is_meta for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+    if ref is not _UNCHECKED and not (_same_shapes(out, ref) if on_meta else _same_output(out, ref)):
+        return None
+    nodes = [replace(n, outputs=list(metas.get(n.name, []))) for n in captured.graph.nodes]
+    return replace(captured, graph=LayerGraph(nodes=nodes, outputs=list(captured.graph.outputs)))

@@ -112,23 +112,24 @@ def load_bundle(cfg: TrainConfig, unit_batch: int, *, weights: bool = True, warn
     return bundle
 
 
-def load_captured(cfg: TrainConfig, unit_batch: int, *, weights: bool = False,
-                  warn: bool = False) -> tuple[Any, CapturedModel]:
+def load_captured(cfg: TrainConfig, unit_batch: int, *, weights: bool = False, warn: bool = False,
+                  like: CapturedModel | None = None) -> tuple[Any, CapturedModel]:
     """:func:`load_bundle` and the model's capture (:func:`capture_model`: on ``meta`` when
-    weightless; ``weights``: every tensor materialised after it, for profiling)."""
+    weightless, ``like``'s graph where it holds at this batch; ``weights``: every tensor
+    materialised after it, for profiling)."""
     bundle, weightless = _seeded(cfg, unit_batch, warn)
-    captured = capture_model(bundle, weightless)
+    captured = capture_model(bundle, weightless, like)
     if weights and weightless is not None and not weightless.materialized:
         weightless.materialize(holders=[captured.gm])
         retarget_meta(captured.gm)
     return bundle, captured
 
 
-def load_shipped(cfg: TrainConfig, unit_batch: int, *, warn: bool = False) -> tuple[Any, CapturedModel,
-                                                                                  ShippedModel | None]:
+def load_shipped(cfg: TrainConfig, unit_batch: int, *, warn: bool = False, like: CapturedModel | None = None,
+                 ) -> tuple[Any, CapturedModel, ShippedModel | None]:
     """:func:`load_captured`, weightless, and the capture as workers take it (:func:`ship_model`)."""
     bundle, weightless = _seeded(cfg, unit_batch, warn)
-    captured = capture_model(bundle, weightless)
+    captured = capture_model(bundle, weightless, like)
     return bundle, captured, ship_model(bundle, captured, weightless, unit_batch)
 
 
@@ -147,16 +148,25 @@ def retarget_meta(gm: torch.fx.GraphModule) -> None:
     retarget(gm, torch.device("cpu"))
 
 
-def capture_model(bundle: Any, weightless: WeightlessModel | None = None) -> CapturedModel:
+def capture_model(bundle: Any, weightless: WeightlessModel | None = None,
+                  like: CapturedModel | None = None) -> CapturedModel:
     """``bundle.model`` captured: on ``meta`` when it is weightless (:func:`retarget_meta`
     makes its graph run on the CPU once materialised). A model whose forward cannot run on
     ``meta`` is materialised whole (``weightless``: its WeightlessModel, required then) and
-    captured as it is."""
+    captured as it is. ``like``: a capture of the same model at another batch, whose graph is
+    taken (:func:`~pipetrain.graph.capture.rebatched`) where it is known to hold at this one:
+    tracing a Hugging Face model takes seconds, taking its graph a tenth of one."""
     from ..errors import CaptureError
-    from ..graph.capture import capture
+    from ..graph.capture import capture, rebatched
     from ..models.materialize import is_weightless, on_device_of
 
     model = bundle.model
+    if like is not None:
+        again = rebatched(like, model, on_device_of(model, bundle.example_inputs))
+        if again is not None:
+            if weightless is not None:
+                again.tensor_values = weightless.initial_value
+            return again
     if not is_weightless(model):
         return capture(model, bundle.example_inputs)
     try:

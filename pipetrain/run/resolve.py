@@ -246,11 +246,12 @@ def _one_host() -> bool:
 
 
 def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
-          whole: tuple[Any, Any]) -> tuple[TrainConfig, Any]:
+          captures: dict[int, tuple[Any, Any]]) -> tuple[TrainConfig, Any]:
     """``--schedule auto``: the fastest predicted configuration (pipetrain.auto.choose) whose
     replicas suit the run's step counts; the configuration with its schedule and microbatches.
-    ``whole``: the bundle and capture at ``batch`` samples already made (:func:`_load_captured`),
-    what the choice takes for its whole-minibatch unit instead of capturing the model again."""
+    ``captures``: the bundle and capture by batch, holding ``batch``'s already made
+    (:func:`_load_captured`); every unit size's is added, its graph taken from the whole
+    minibatch's where that holds (:func:`pipetrain.graph.capture.rebatched`)."""
     from dataclasses import replace
 
     from ..auto.choose import choose
@@ -265,8 +266,11 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
         # captured as the workers capture it (weightless: on meta where it can be), so the
         # plan's node names are the workers' (a model's graph may depend on its tensors'
         # device); the profile holds a few of its tensors at a time (pipetrain.graph.held).
-        # A factory may size its model by the batch it is given: built per unit size.
-        bundle, captured = whole if samples == batch else _load_captured(cfg, samples)
+        # A factory may size its model by the batch it is given: built per unit size, its
+        # graph the whole minibatch's where the structure and the tracer's guards allow.
+        if samples not in captures:
+            captures[samples] = _load_captured(cfg, samples, like=captures[batch][1])
+        bundle, captured = captures[samples]
         inputs = bundle.make_batch(samples, torch.Generator().manual_seed(cfg.training.seed))[0]
         return captured, tuple(inputs)
 
@@ -295,7 +299,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
                     momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
                     calibration=par.calibration, microbatches=par.microbatches, accept=accept,
                     cache=cache, cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
-                    rehearse=CandidateRehearsal(cfg, workers, batch))
+                    rehearse=CandidateRehearsal(cfg, workers, batch, traced=captures))
     choice.reused = cache.reuse_note()
     best = choice.best
     log.info("%s", "\n".join(summary_lines(choice)))
@@ -534,16 +538,17 @@ def _load(cfg: TrainConfig, unit_batch: int) -> Any:
         return load_bundle(cfg, unit_batch, weights=False, warn=True)
 
 
-def _load_captured(cfg: TrainConfig, unit_batch: int) -> tuple[Any, Any]:
-    """The model bundle and its capture, weightless (a profile holds a few tensors at a time)."""
+def _load_captured(cfg: TrainConfig, unit_batch: int, like: Any = None) -> tuple[Any, Any]:
+    """The model bundle and its capture, weightless (a profile holds a few tensors at a time);
+    ``like``: a capture at another batch whose graph is taken where it holds at this one."""
     with torch.random.fork_rng(devices=[]):
-        return load_captured(cfg, unit_batch, warn=True)
+        return load_captured(cfg, unit_batch, warn=True, like=like)
 
 
-def _load_shipped(cfg: TrainConfig, unit_batch: int) -> tuple[Any, Any, Any]:
+def _load_shipped(cfg: TrainConfig, unit_batch: int, like: Any = None) -> tuple[Any, Any, Any]:
     """:func:`_load_captured`, weightless, and the capture as the workers take it (or ``None``)."""
     with torch.random.fork_rng(devices=[]):
-        return load_shipped(cfg, unit_batch, warn=True)
+        return load_shipped(cfg, unit_batch, warn=True, like=like)
 
 
 def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[ResolvedRun, Any]:
@@ -559,10 +564,12 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     cfg = cfg.replace(bucket_mb=bucket_mb(cfg, workers, world))
     batch = resolve_batch_size(cfg)
     auto = None
+    captures: dict[int, tuple[Any, Any]] = {}  # the launcher's captures by batch: each graph traced once
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
-        whole = _load_captured(cfg, batch)
-        _check_layers(cfg, workers, sum(1 for n in whole[1].graph.nodes if not n.is_input))  # before measuring
-        cfg, auto = _auto(cfg, workers, batch, world, whole)
+        captures[batch] = _load_captured(cfg, batch)
+        layers = sum(1 for n in captures[batch][1].graph.nodes if not n.is_input)
+        _check_layers(cfg, workers, layers)  # before measuring
+        cfg, auto = _auto(cfg, workers, batch, world, captures)
         par, spec = cfg.parallel, cfg.spec
         options = par.schedule_options
     if workers == 1:
@@ -585,7 +592,8 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
         _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
     # weightless (no parameter storage here; the quick plan's profile holds a few tensors at a time)
     captured_unit = batch // m  # the samples of the capture's example batch
-    bundle, captured, shipped = _load_shipped(cfg, captured_unit)
+    like = captures.get(captured_unit, captures.get(batch, (None, None)))[1]
+    bundle, captured, shipped = _load_shipped(cfg, captured_unit, like=like)
     _check_fits(bundle, source)
     _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)

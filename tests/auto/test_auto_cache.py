@@ -151,21 +151,38 @@ def test_without_a_model_key_only_the_calibration_is_kept(private_cache: Path, m
     assert {p.parent.name for p in private_cache.glob("*/*.json")} == {"calibration", "optimizer-step"}
 
 
-def test_the_choice_takes_the_whole_minibatchs_capture_the_resolve_made(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_launcher_traces_the_model_once_for_every_unit_size_and_the_workers(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """The resolve captures the model at the whole minibatch (its layer check) before the
-    choice, which measures that unit size too: one capture serves both (the launcher's
-    captures for the profiles: one per unit size)."""
+    choice, which measures every unit size and rehearses candidates with the capture their
+    workers take, and then ships the chosen unit's capture to the workers: the model is
+    built at each size, its graph traced once and taken at the others
+    (pipetrain.graph.capture.rebatched). A rehearsed rank of a model the launcher does not
+    ship builds and captures its own, as its worker would (not counted)."""
+    import importlib
+    import traceback
+
     import pipetrain.run.resolve as resolve
 
-    real = resolve.load_captured
+    graph_capture = importlib.import_module("pipetrain.graph.capture")  # the module, not the function it exports
+
+    real_load, real_capture = resolve.load_captured, graph_capture.capture
     samples: list[int] = []
+    traced: list[int] = []
 
     def load_captured(cfg: Any, unit_batch: int, **kwargs: Any) -> Any:
         samples.append(unit_batch)
-        return real(cfg, unit_batch, **kwargs)
+        return real_load(cfg, unit_batch, **kwargs)
+
+    def capture(model: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        first = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
+        if not any(f.name == "build_stages" for f in traceback.extract_stack()):  # a rehearsed rank's own model
+            traced.append(int(first.shape[0]))
+        return real_capture(model, example_inputs, **kwargs)
 
     monkeypatch.setattr(resolve, "load_captured", load_captured)
+    monkeypatch.setattr(graph_capture, "capture", capture)
     run = resolve_run(auto_config(tmp_path, microbatches=None, cache=False))
     assert run.plan is not None
-    assert sorted(samples) == [2, 4, 8, 16], samples  # the choice measured every unit size, each captured once
+    assert sorted(samples) == [2, 4, 8, 16], samples  # the choice measured every unit size, each built once
+    assert traced == [16], traced  # and traced the model once; the workers' capture is the same graph
