@@ -90,16 +90,19 @@ class TimePredictor:
 
         if not chosen.get("plan") or not chosen.get("schedule"):
             return None
+        from pipetrain.runtime.process.rss import workers_allocator
+
         plan = Plan.from_dict(chosen["plan"])
         spec = get_schedule(chosen["schedule"])
         m = int(chosen.get("microbatches") or 1)
         units = 1 if spec.unit == "minibatch" else m
-        profiled = self._simulated(plan, spec, m, units, dict(chosen.get("schedule_options") or {}), steps)
-        try:  # rehearsed as long as the choice rehearses a candidate the profile predicts so
-            return self._rehearsed(plan, spec.name, m, units, profiled["time_per_minibatch_s"])
-        except Exception as e:  # noqa: BLE001 - a configuration the rehearsal cannot run: the profile's figure
-            profiled["source"] = f"profile (the rehearsal failed: {type(e).__name__}: {e})"
-            return profiled
+        with workers_allocator():  # timed as the launcher's choice times it: under the workers' allocator
+            profiled = self._simulated(plan, spec, m, units, dict(chosen.get("schedule_options") or {}), steps)
+            try:  # rehearsed as long as the choice rehearses a candidate the profile predicts so
+                return self._rehearsed(plan, spec.name, m, units, profiled["time_per_minibatch_s"])
+            except Exception as e:  # noqa: BLE001 - a configuration the rehearsal cannot run: the profile's figure
+                profiled["source"] = f"profile (the rehearsal failed: {type(e).__name__}: {e})"
+                return profiled
 
     def _rehearsed(self, plan: Any, schedule: str, m: int, units: int, profiled: float) -> dict[str, Any]:
         from pipetrain.auto.choose import Candidate, plan_ties, scale_profile

@@ -402,7 +402,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
            schedules: Sequence[str] | None = None,
            accept: Callable[[Candidate, Any], str | None] | None = None,
            cache: MeasurementCache | None = None, cache_key: Mapping[str, Any] | None = None,
-           rehearse: Rehearse | None = None) -> AutoChoice:
+           rehearse: Rehearse | None = None, malloc_tuned: bool = False) -> AutoChoice:
     """The fastest configuration of the model on ``workers`` ranks (module docstring).
 
     Args:
@@ -419,6 +419,9 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             only the calibration is cached.
         rehearse: runs a candidate as its workers would (module docstring, 5); None: every
             prediction is the profile's.
+        malloc_tuned: the caller measures under the workers' allocator tuning
+            (:func:`pipetrain.runtime.process.rss.workers_allocator`): part of the cache's key,
+            so times measured under another allocator are measured again.
 
     Raises:
         PlanError: when no candidate can run (one line naming why for each).
@@ -435,7 +438,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     if workers < 2:
         raise PlanError(f"the automatic choice compares parallel configurations; it needs 2 or more workers, "
                         f"got {workers}")
-    measured = AutoMeasurements(cache, cache_key, _measure_settings(optimizer, momentum, threads, repeats))
+    measured = AutoMeasurements(cache, cache_key, _measure_settings(optimizer, momentum, threads, repeats,
+                                                                    malloc_tuned))
     cal = resolve_calibration(calibration)
     if cal is None:  # measured now (or earlier on this machine), at this run's rank count
         cal = measured.calibration(workers, lambda: _measure_calibration(workers, threads))
@@ -627,14 +631,16 @@ def _listed(rehearse: Rehearse, candidate: Candidate) -> list[MeasuredUnit]:
     return list(rehearse(candidate))
 
 
-def _measure_settings(optimizer: str, momentum: float, threads: int | None, repeats: int) -> dict[str, Any]:
+def _measure_settings(optimizer: str, momentum: float, threads: int | None, repeats: int,
+                      malloc_tuned: bool) -> dict[str, Any]:
     """What the choice's measurements depend on besides the model (the cache's key)."""
     import torch
 
     from ..profile.profiler import fast_counts
 
     return {"optimizer": optimizer, "momentum": momentum, "repeats": fast_counts(1, repeats),
-            "threads": threads if threads is not None else torch.get_num_threads(), "device": "cpu"}
+            "threads": threads if threads is not None else torch.get_num_threads(), "device": "cpu",
+            "malloc": "workers' tuning" if malloc_tuned else "glibc defaults"}
 
 
 def _measure_calibration(workers: int, threads: int | None) -> Calibration:

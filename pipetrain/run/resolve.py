@@ -42,6 +42,7 @@ from ..job.parse import parse_config, parse_cut
 from ..job.resolved import ResolvedRun, Segment
 from ..plan.cuts import split_at_cuts, split_by_config
 from ..plan.types import Plan
+from ..runtime.process.rss import workers_allocator
 
 log = logging.getLogger(__name__)
 
@@ -295,11 +296,12 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
     from .rehearse import CandidateRehearsal
 
     cache = MeasurementCache(enabled=cfg.performance.cache)
-    choice = choose(model_at, batch_size=batch, workers=workers, optimizer=cfg.optimizer.name,
-                    momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
-                    calibration=par.calibration, microbatches=par.microbatches, accept=accept,
-                    cache=cache, cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
-                    rehearse=CandidateRehearsal(cfg, workers, batch, traced=captures))
+    with workers_allocator(cfg.performance.tune_malloc) as tuned:  # timed under the workers' allocator
+        choice = choose(model_at, batch_size=batch, workers=workers, optimizer=cfg.optimizer.name,
+                        momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
+                        calibration=par.calibration, microbatches=par.microbatches, accept=accept,
+                        cache=cache, cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
+                        rehearse=CandidateRehearsal(cfg, workers, batch, traced=captures), malloc_tuned=tuned)
     choice.reused = cache.reuse_note()
     best = choice.best
     log.info("%s", "\n".join(summary_lines(choice)))
@@ -336,10 +338,11 @@ def _choose_plan(cfg: TrainConfig, captured: Any, bundle: Any, batch: int, worke
     from ..auto.quick import quick_plan
 
     inputs = bundle.make_batch(batch, torch.Generator().manual_seed(cfg.training.seed))[0]
-    return quick_plan(captured, tuple(inputs), batch_size=batch, workers=workers, schedule=spec.name, microbatches=m,
-                      schedule_options=par.schedule_options, optimizer=cfg.optimizer.name,
-                      momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=name,
-                      calibration=par.calibration)
+    with workers_allocator(cfg.performance.tune_malloc):  # profiled under the workers' allocator
+        return quick_plan(captured, tuple(inputs), batch_size=batch, workers=workers, schedule=spec.name,
+                          microbatches=m, schedule_options=par.schedule_options, optimizer=cfg.optimizer.name,
+                          momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=name,
+                          calibration=par.calibration)
 
 
 def resolve_length(cfg: TrainConfig, steps_per_epoch: int | None) -> TrainConfig:
