@@ -419,9 +419,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             only the calibration is cached.
         rehearse: runs a candidate as its workers would (module docstring, 5); None: every
             prediction is the profile's.
-        malloc_tuned: the caller measures under the workers' allocator tuning
-            (:func:`pipetrain.runtime.process.rss.workers_allocator`): part of the cache's key,
-            so times measured under another allocator are measured again.
+        malloc_tuned: the caller times under the workers' allocator (``runtime.process.rss``):
+            part of the cache's key (times measured under another are measured again).
 
     Raises:
         PlanError: when no candidate can run (one line naming why for each).
