@@ -419,8 +419,9 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             only the calibration is cached.
         rehearse: runs a candidate as its workers would (module docstring, 5); None: every
             prediction is the profile's.
-        malloc_tuned: the caller times under the workers' allocator (``runtime.process.rss``):
-            part of the cache's key (times measured under another are measured again).
+        malloc_tuned: the caller times under the workers' allocator tuning
+            (:func:`pipetrain.runtime.process.rss.workers_allocator`): part of the cache's key,
+            so times measured under another allocator are measured again.
 
     Raises:
         PlanError: when no candidate can run (one line naming why for each).
@@ -437,8 +438,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     if workers < 2:
         raise PlanError(f"the automatic choice compares parallel configurations; it needs 2 or more workers, "
                         f"got {workers}")
-    measured = AutoMeasurements(cache, cache_key, _measure_settings(optimizer, momentum, threads, repeats,
-                                                                    malloc_tuned))
+    measured = AutoMeasurements(cache, cache_key, _cache_settings(optimizer, momentum, threads, repeats, malloc_tuned))
     cal = resolve_calibration(calibration)
     if cal is None:  # measured now (or earlier on this machine), at this run's rank count
         cal = measured.calibration(workers, lambda: _measure_calibration(workers, threads))
@@ -630,7 +630,7 @@ def _listed(rehearse: Rehearse, candidate: Candidate) -> list[MeasuredUnit]:
     return list(rehearse(candidate))
 
 
-def _measure_settings(optimizer: str, momentum: float, threads: int | None, repeats: int,
+def _cache_settings(optimizer: str, momentum: float, threads: int | None, repeats: int,
                       malloc_tuned: bool) -> dict[str, Any]:
     """What the choice's measurements depend on besides the model (the cache's key)."""
     import torch
