@@ -125,11 +125,13 @@ def load_captured(cfg: TrainConfig, unit_batch: int, *, weights: bool = False, w
     return bundle, captured
 
 
-def load_shipped(cfg: TrainConfig, unit_batch: int, *, warn: bool = False, like: CapturedModel | None = None,
-                 ) -> tuple[Any, CapturedModel, ShippedModel | None]:
-    """:func:`load_captured`, weightless, and the capture as workers take it (:func:`ship_model`)."""
+def load_shipped(cfg: TrainConfig, unit_batch: int, *, warn: bool = False) -> tuple[Any, CapturedModel,
+                                                                                  ShippedModel | None]:
+    """:func:`load_captured`, weightless, and the capture as workers take it (:func:`ship_model`).
+    Traced for this bundle: a graph taken from another capture holds that one's tensors,
+    which :func:`ship_model` refuses (workers would capture the model themselves)."""
     bundle, weightless = _seeded(cfg, unit_batch, warn)
-    captured = capture_model(bundle, weightless, like)
+    captured = capture_model(bundle, weightless)
     return bundle, captured, ship_model(bundle, captured, weightless, unit_batch)
 
 
@@ -155,7 +157,9 @@ def capture_model(bundle: Any, weightless: WeightlessModel | None = None,
     ``meta`` is materialised whole (``weightless``: its WeightlessModel, required then) and
     captured as it is. ``like``: a capture of the same model at another batch, whose graph is
     taken (:func:`~pipetrain.graph.capture.rebatched`) where it is known to hold at this one:
-    tracing a Hugging Face model takes seconds, taking its graph a tenth of one."""
+    tracing a Hugging Face model takes seconds, taking its graph a tenth of one. That graph
+    holds ``like``'s tensors (the same names and values), so it serves what reads them by
+    name (profiles, plans), not :func:`ship_model`."""
     from ..errors import CaptureError
     from ..graph.capture import capture, rebatched
     from ..models.materialize import is_weightless, on_device_of

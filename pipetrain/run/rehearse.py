@@ -7,8 +7,7 @@ plan) into a :class:`~pipetrain.job.resolved.ResolvedRun` of a few minibatches, 
 :func:`pipetrain.runtime.rehearsal.rehearse`, which runs every rank's actions as its worker
 does and measures each stage's compute. A model whose every value comes from files ships
 its launcher's capture to the run, as ``resolve_run`` does (one capture per unit size for
-every candidate and rank, its graph the launcher's where that holds; a Hugging Face BERT's
-rank was built in 0.73 s by capturing again).
+every candidate and rank; a Hugging Face BERT's rank was built in 0.73 s by capturing again).
 """
 from __future__ import annotations
 
@@ -59,9 +58,6 @@ class CandidateRehearsal:
     cfg: TrainConfig
     workers: int
     batch: int
-    #: the launcher's captures by batch (bundle, capture): the graph a unit's capture is taken
-    #: from where it holds there (:func:`pipetrain.graph.capture.rebatched`), not traced again
-    traced: Mapping[int, tuple[Any, Any]] = field(default_factory=dict)
     #: what the rehearsal's measurements depend on besides the candidate (the cache's key)
     settings: Mapping[str, Any] = field(init=False)
     _captures: dict[int, tuple[Any, Any]] = field(init=False, default_factory=dict, repr=False)
@@ -101,9 +97,8 @@ class CandidateRehearsal:
         from ..stages.partition import partition_graph
 
         if unit not in self._captures:
-            like = self.traced.get(unit, self.traced.get(self.batch, (None, None)))[1]
             with torch.random.fork_rng(devices=[]):
-                _, captured, shipped = load_shipped(self.cfg, unit, like=like)
+                _, captured, shipped = load_shipped(self.cfg, unit)
             self._captures[unit] = (captured, shipped)
         captured, shipped = self._captures[unit]
         if shipped is None or shipped.unit_batch != unit:

@@ -252,7 +252,9 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
     replicas suit the run's step counts; the configuration with its schedule and microbatches.
     ``captures``: the bundle and capture by batch, holding ``batch``'s already made
     (:func:`_load_captured`); every unit size's is added, its graph taken from the whole
-    minibatch's where that holds (:func:`pipetrain.graph.capture.rebatched`)."""
+    minibatch's where that holds (:func:`pipetrain.graph.capture.rebatched`). A capture the
+    workers take is traced for its own bundle (:func:`~pipetrain.job.model.ship_model`
+    ships a graph that holds that bundle's tensors)."""
     from dataclasses import replace
 
     from ..auto.choose import choose
@@ -301,7 +303,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
                         momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
                         calibration=par.calibration, microbatches=par.microbatches, accept=accept,
                         cache=cache, cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
-                        rehearse=CandidateRehearsal(cfg, workers, batch, traced=captures), malloc_tuned=tuned)
+                        rehearse=CandidateRehearsal(cfg, workers, batch), malloc_tuned=tuned)
     choice.reused = cache.reuse_note()
     best = choice.best
     log.info("%s", "\n".join(summary_lines(choice)))
@@ -548,10 +550,10 @@ def _load_captured(cfg: TrainConfig, unit_batch: int, like: Any = None) -> tuple
         return load_captured(cfg, unit_batch, warn=True, like=like)
 
 
-def _load_shipped(cfg: TrainConfig, unit_batch: int, like: Any = None) -> tuple[Any, Any, Any]:
+def _load_shipped(cfg: TrainConfig, unit_batch: int) -> tuple[Any, Any, Any]:
     """:func:`_load_captured`, weightless, and the capture as the workers take it (or ``None``)."""
     with torch.random.fork_rng(devices=[]):
-        return load_shipped(cfg, unit_batch, warn=True, like=like)
+        return load_shipped(cfg, unit_batch, warn=True)
 
 
 def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[ResolvedRun, Any]:
@@ -567,7 +569,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     cfg = cfg.replace(bucket_mb=bucket_mb(cfg, workers, world))
     batch = resolve_batch_size(cfg)
     auto = None
-    captures: dict[int, tuple[Any, Any]] = {}  # the launcher's captures by batch: each graph traced once
+    captures: dict[int, tuple[Any, Any]] = {}  # the choice's captures by batch: one trace, taken at the others
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
         captures[batch] = _load_captured(cfg, batch)
         layers = sum(1 for n in captures[batch][1].graph.nodes if not n.is_input)
@@ -595,8 +597,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
         _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
     # weightless (no parameter storage here; the quick plan's profile holds a few tensors at a time)
     captured_unit = batch // m  # the samples of the capture's example batch
-    like = captures.get(captured_unit, captures.get(batch, (None, None)))[1]
-    bundle, captured, shipped = _load_shipped(cfg, captured_unit, like=like)
+    bundle, captured, shipped = _load_shipped(cfg, captured_unit)  # traced for its bundle: ship_model's rule
     _check_fits(bundle, source)
     _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)

@@ -151,14 +151,12 @@ def test_without_a_model_key_only_the_calibration_is_kept(private_cache: Path, m
     assert {p.parent.name for p in private_cache.glob("*/*.json")} == {"calibration", "optimizer-step"}
 
 
-def test_the_launcher_traces_the_model_once_for_every_unit_size_and_the_workers(tmp_path: Path,
-                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_choice_traces_the_model_once_for_every_unit_size(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """The resolve captures the model at the whole minibatch (its layer check) before the
-    choice, which measures every unit size and rehearses candidates with the capture their
-    workers take, and then ships the chosen unit's capture to the workers: the model is
-    built at each size, its graph traced once and taken at the others
-    (pipetrain.graph.capture.rebatched). A rehearsed rank of a model the launcher does not
-    ship builds and captures its own, as its worker would (not counted)."""
+    choice, which measures every unit size: the model is built at each size, its graph traced
+    once and taken at the others (pipetrain.graph.capture.rebatched). A capture the workers
+    take (shipped, rehearsed) is traced for its own bundle (not counted)."""
     import importlib
     import traceback
 
@@ -176,7 +174,7 @@ def test_the_launcher_traces_the_model_once_for_every_unit_size_and_the_workers(
 
     def capture(model: Any, example_inputs: Any, **kwargs: Any) -> Any:
         first = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
-        if not any(f.name == "build_stages" for f in traceback.extract_stack()):  # a rehearsed rank's own model
+        if any(f.name == "load_captured" for f in traceback.extract_stack()):  # the resolve's and the choice's
             traced.append(int(first.shape[0]))
         return real_capture(model, example_inputs, **kwargs)
 
@@ -185,4 +183,4 @@ def test_the_launcher_traces_the_model_once_for_every_unit_size_and_the_workers(
     run = resolve_run(auto_config(tmp_path, microbatches=None, cache=False))
     assert run.plan is not None
     assert sorted(samples) == [2, 4, 8, 16], samples  # the choice measured every unit size, each built once
-    assert traced == [16], traced  # and traced the model once; the workers' capture is the same graph
+    assert traced == [16], traced  # and traced the model once
