@@ -247,12 +247,12 @@ def _one_host() -> bool:
 
 
 def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
-          captures: dict[int, tuple[Any, Any]]) -> tuple[TrainConfig, Any]:
+          whole: tuple[Any, Any]) -> tuple[TrainConfig, Any]:
     """``--schedule auto``: the fastest predicted configuration (pipetrain.auto.choose) whose
     replicas suit the run's step counts; the configuration with its schedule and microbatches.
-    ``captures``: the bundle and capture by batch, holding ``batch``'s already made
-    (:func:`_load_captured`); every unit size's is added, its graph taken from the whole
-    minibatch's where that holds (:func:`pipetrain.graph.capture.rebatched`). A capture the
+    ``whole``: the bundle and capture at ``batch`` samples already made (:func:`_load_captured`),
+    what the choice takes for its whole-minibatch unit, and whose graph it takes at the other
+    unit sizes where that holds (:func:`pipetrain.graph.capture.rebatched`). A capture the
     workers take is traced for its own bundle (:func:`~pipetrain.job.model.ship_model`
     ships a graph that holds that bundle's tensors)."""
     from dataclasses import replace
@@ -265,6 +265,8 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
             "--schedule auto across hosts needs the links' measured costs: run `pipetrain calibrate --output FILE` "
             "on these hosts and pass --calibration FILE, or name a schedule")
 
+    captures = {batch: whole}  # by unit size: one trace, taken at the others
+
     def model_at(samples: int) -> tuple[Any, tuple[Any, ...]]:
         # captured as the workers capture it (weightless: on meta where it can be), so the
         # plan's node names are the workers' (a model's graph may depend on its tensors'
@@ -272,7 +274,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
         # A factory may size its model by the batch it is given: built per unit size, its
         # graph the whole minibatch's where the structure and the tracer's guards allow.
         if samples not in captures:
-            captures[samples] = _load_captured(cfg, samples, like=captures[batch][1])
+            captures[samples] = _load_captured(cfg, samples, like=whole[1])
         bundle, captured = captures[samples]
         inputs = bundle.make_batch(samples, torch.Generator().manual_seed(cfg.training.seed))[0]
         return captured, tuple(inputs)
@@ -569,12 +571,10 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     cfg = cfg.replace(bucket_mb=bucket_mb(cfg, workers, world))
     batch = resolve_batch_size(cfg)
     auto = None
-    captures: dict[int, tuple[Any, Any]] = {}  # the choice's captures by batch: one trace, taken at the others
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
-        captures[batch] = _load_captured(cfg, batch)
-        layers = sum(1 for n in captures[batch][1].graph.nodes if not n.is_input)
-        _check_layers(cfg, workers, layers)  # before measuring
-        cfg, auto = _auto(cfg, workers, batch, world, captures)
+        whole = _load_captured(cfg, batch)
+        _check_layers(cfg, workers, sum(1 for n in whole[1].graph.nodes if not n.is_input))  # before measuring
+        cfg, auto = _auto(cfg, workers, batch, world, whole)
         par, spec = cfg.parallel, cfg.spec
         options = par.schedule_options
     if workers == 1:
