@@ -70,6 +70,11 @@ def fast_counts(warmup: int, repeats: int) -> tuple[int, int]:
 #: Optimizer state kept per byte of parameters: SGD with momentum keeps one buffer, Adam two.
 OPTIMIZER_STATE_FACTORS = {"sgd": 1.0, "adam": 2.0, "adamw": 2.0}
 
+#: The batch a profile traces its model at (``capture``'s ``trace_at``) when the profile's is
+#: larger than twice this: the graph's values are checked there, and taken to the profile's
+#: batch by shape, so a capture costs two forwards of this batch, not of the profile's.
+TRACE_BATCH = 2
+
 
 def optimizer_state_factor(optimizer: str, momentum: float = 0.9) -> float:
     """Bytes of optimizer state per byte of parameters (SGD without momentum keeps none)."""
@@ -329,7 +334,7 @@ def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.
         model.to(dev)
     try:
         inputs = _to_device(inputs, dev)
-        captured = capture(model, inputs)
+        captured = capture(model, inputs, trace_at=_trace_example(model_or_bundle, inputs, dev))
         loss_fn, target = _loss_and_target(model_or_bundle, inputs)
         return profile_captured(
             captured, inputs, batch_size=batch_size, device=dev, warmup=warmup, repeats=repeats,
@@ -339,6 +344,24 @@ def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.
     finally:
         if moved:
             model.to(home)
+
+
+def _trace_example(bundle: Any, inputs: tuple[Any, ...], device: torch.device) -> tuple[Any, ...] | None:
+    """The example of :data:`TRACE_BATCH` samples the model is traced at (None: ``inputs``'
+    batch is at most twice that): a bundle's ``make_batch``, else every input whose first
+    dimension is the batch cut to its first samples."""
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if first is None or int(first.shape[0]) <= 2 * TRACE_BATCH:
+        return None
+    batch, make_batch = int(first.shape[0]), getattr(bundle, "make_batch", None)
+    if make_batch is not None:
+        try:
+            small, _ = make_batch(TRACE_BATCH, torch.Generator().manual_seed(0))
+        except Exception:  # noqa: BLE001 - a bundle that cannot make this size: traced at its own
+            return None
+        return _to_device(small if isinstance(small, tuple) else (small,), device)
+    return tuple(x[:TRACE_BATCH] if isinstance(x, torch.Tensor) and x.dim() > 0 and x.shape[0] == batch else x
+                 for x in inputs)
 
 
 def _loss_and_target(bundle: Any, inputs: tuple[Any, ...]) -> tuple[Any, Any]:

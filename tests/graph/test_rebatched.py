@@ -4,6 +4,8 @@ hold there (a batch the tracer specialised, another structure, another output)."
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 from torch import nn
 
@@ -113,3 +115,68 @@ def test_rebatching_leaves_buffers_and_the_rng_alone() -> None:
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert all(torch.equal(v, graph_before[k]) for k, v in cm.gm.state_dict().items())
+
+
+class Batches(nn.Module):
+    """Records the batch of every forward that computes (not on ``meta``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn = nn.Linear(6, 4), nn.BatchNorm1d(4)
+        self.computed: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.fx.Proxy) and not x.is_meta:
+            self.computed.append(int(x.shape[0]))
+        return self.bn(self.fc(x)).relu()
+
+
+class Constant(Batches):
+    """Holds a tensor that is neither parameter nor buffer: its graph does not run on meta."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = torch.randn(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) + self.shift
+
+
+def _tensors(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    return [(n, t, t.detach().clone()) for n, t in [*model.named_parameters(), *model.named_buffers()]]
+
+
+def test_trace_at_computes_only_the_small_batch_and_gives_the_capture_of_the_whole(monkeypatch) -> None:
+    cap = importlib.import_module("pipetrain.graph.capture")  # the module (the package exports the function)
+    monkeypatch.setattr(cap, "TRACE_AT_WORTH", 0.0)  # take it by shape, however small the model
+    torch.manual_seed(0)
+    model = Batches().train()
+    x = torch.randn(32, 6)
+    held = _tensors(model)
+    rng = torch.get_rng_state()
+    taken = capture(model, x, trace_at=x[:2])
+    assert set(model.computed) == {2}  # checked by value at 2 only; 32 ran on meta
+    assert torch.equal(torch.get_rng_state(), rng)
+    now = dict([*model.named_parameters(), *model.named_buffers()])
+    assert all(now[n] is t and not t.is_meta and torch.equal(t, v) for n, t, v in held)  # the same tensors, untouched
+    model.computed.clear()
+    whole = capture(model, x)
+    assert 32 in model.computed
+    assert taken.graph == whole.graph and metas(taken) == metas(whole)
+    assert torch.allclose(taken.gm(x), model(x))
+
+
+def test_trace_at_traces_the_whole_batch_where_the_graph_is_not_known_to_hold_there(monkeypatch) -> None:
+    cap = importlib.import_module("pipetrain.graph.capture")  # the module (the package exports the function)
+    x = torch.randn(32, 6)
+    small = Batches()
+    capture(small, x, trace_at=x[:2])  # a model this small is checked at 32 sooner than taken
+    assert 32 in small.computed
+    monkeypatch.setattr(cap, "TRACE_AT_WORTH", 0.0)
+    torch.manual_seed(0)
+    constant = Constant()
+    cm = capture(constant, x, trace_at=x[:2])  # its graph does not run on meta
+    assert 32 in constant.computed and metas(cm) == metas(capture(constant, x))
+    sized = SizedByBatch(32)
+    cm = capture(sized, torch.randn(32, 6), trace_at=torch.randn(2, 6))  # fails at 2: traced at 32
+    assert metas(cm) == metas(capture(sized, torch.randn(32, 6)))

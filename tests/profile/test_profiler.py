@@ -309,3 +309,27 @@ def test_one_stalled_run_does_not_stand_for_a_node(monkeypatch: pytest.MonkeyPat
     assert stalled == [victim]
     assert prof[victim].backward_time < 0.05, prof[victim].backward_time
     assert measure._unconfirmed(1e-3, 0.3) and measure._unconfirmed(0.3, None) and not measure._unconfirmed(1.0, 2.5)
+
+
+def test_a_profile_traced_at_a_small_batch_describes_the_same_graph(monkeypatch) -> None:
+    """profile_model traces a large batch's model at TRACE_BATCH (capture's trace_at): its
+    nodes, bytes and saved tensors are those of the model traced at the profile's batch."""
+    import importlib
+
+    cap = importlib.import_module("pipetrain.graph.capture")
+    bundle = get_model("gpt", batch_size=8, **TINY_OPTIONS["gpt"])
+    seen: list[int] = []  # the batch of every forward of the model that computes (not on meta)
+    bundle.model.register_forward_pre_hook(
+        lambda _, args: None if args[0].is_meta else seen.append(int(args[0].shape[0])))
+
+    def described(worth: float) -> list[tuple]:
+        monkeypatch.setattr(cap, "TRACE_AT_WORTH", worth)
+        seen.clear()
+        prof = profile_model(bundle, warmup=0, repeats=1)
+        return [(n.name, n.op, n.activation_bytes, n.parameter_bytes, n.inputs, n.saved_bytes, n.saved_inputs,
+                 n.output_saved) for n in prof.nodes]
+
+    taken = described(0.0)
+    assert 8 not in seen and 2 in seen  # the model computed at the trace batch only
+    assert taken == described(float("inf"))
+    assert 8 in seen
