@@ -868,6 +868,7 @@ class _EagerReference:
         self.output: Any = None
         self.buffers: dict[str, torch.Tensor] = {}
         self.changed: list[str] = []
+        self.seconds = 0.0  # the forward's wall time
         self._done = False
 
     def run(self) -> _EagerReference:
@@ -875,7 +876,9 @@ class _EagerReference:
         if self._done:
             return self
         try:
+            start = time.perf_counter()
             self.output = _eager(self.model, self.inputs, self.seed)
+            self.seconds = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001 - any model failure is a user error here
             raise CaptureError(
                 f"model {type(self.model).__name__} raised on the example batch (inputs: "
@@ -971,6 +974,12 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
         taken = _traced_at(model, _as_tuple(trace_at), inputs)
         if taken is not None:
             return taken
+    return _traced(model, inputs, validate)[0]
+
+
+def _traced(model: nn.Module, inputs: tuple[Any, ...], validate: bool) -> tuple[CapturedModel, float]:
+    """:func:`capture` by tracing at ``inputs``: the capture, and the seconds the model's own
+    forward took there (0 without ``validate``)."""
     devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
     seed = 0x5EED
     failures: list[str] = []
@@ -992,15 +1001,15 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
                 failures.append(result)
                 continue
             gm, metas = result
-            return replace(_build(model, gm, method, metas), structure=structure_digest(model))
+            return replace(_build(model, gm, method, metas), structure=structure_digest(model)), ref.seconds
         ref.run()  # wrong example batch: report that rather than the tracers' errors
     raise CaptureError(f"cannot capture model {type(model).__name__} as a graph: {'; '.join(failures)}; "
                        f"{_fix_for(failures)}")
 
 
-#: ``capture(..., trace_at=)`` takes the graph by shape only where its capture at the small
-#: batch, scaled by the batch, takes longer than this (seconds): the first run on ``meta`` in
-#: a process imports torch's meta kernels, about 2 s, and a small model is checked sooner.
+#: ``capture(..., trace_at=)`` takes the graph by shape only where checking it at the whole
+#: batch (two forwards) would take longer than this (seconds): the first run on ``meta`` in a
+#: process imports torch's meta kernels, about 2 s, and a small model is checked sooner.
 TRACE_AT_WORTH = 2.0
 
 
@@ -1027,15 +1036,14 @@ def tensors_on_meta(*modules: nn.Module) -> Iterator[None]:
 
 def _traced_at(model: nn.Module, small: tuple[Any, ...], inputs: tuple[Any, ...]) -> CapturedModel | None:
     """``model`` traced and checked at ``small``, its graph taken to ``inputs`` by shape; None
-    where either fails, or where checking at ``inputs`` costs less than :data:`TRACE_AT_WORTH`
-    (the caller traces at ``inputs``, whose errors are the user's)."""
-    start = time.perf_counter()
+    where either fails, or where checking at ``inputs`` (two forwards, estimated from one at
+    ``small`` scaled by the batch) costs less than :data:`TRACE_AT_WORTH` (the caller traces
+    at ``inputs``, whose errors are the user's)."""
     try:
-        first = capture(model, small)
+        first, forward = _traced(model, small, validate=True)
     except CaptureError:
         return None
-    ratio = _batch_of(inputs) / max(1, _batch_of(small))
-    if (time.perf_counter() - start) * ratio < TRACE_AT_WORTH:
+    if 2 * forward * _batch_of(inputs) / max(1, _batch_of(small)) < TRACE_AT_WORTH:
         return None
     return rebatched(first, model, inputs, values=False)
 
