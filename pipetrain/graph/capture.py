@@ -868,7 +868,6 @@ class _EagerReference:
         self.output: Any = None
         self.buffers: dict[str, torch.Tensor] = {}
         self.changed: list[str] = []
-        self.seconds = 0.0  # the forward's wall time
         self._done = False
 
     def run(self) -> _EagerReference:
@@ -876,9 +875,7 @@ class _EagerReference:
         if self._done:
             return self
         try:
-            start = time.perf_counter()
             self.output = _eager(self.model, self.inputs, self.seed)
-            self.seconds = time.perf_counter() - start
         except Exception as e:  # noqa: BLE001 - any model failure is a user error here
             raise CaptureError(
                 f"model {type(self.model).__name__} raised on the example batch (inputs: "
@@ -974,12 +971,6 @@ def capture(model: nn.Module, example_inputs: tuple[Any, ...] | torch.Tensor, *,
         taken = _traced_at(model, _as_tuple(trace_at), inputs)
         if taken is not None:
             return taken
-    return _traced(model, inputs, validate)[0]
-
-
-def _traced(model: nn.Module, inputs: tuple[Any, ...], validate: bool) -> tuple[CapturedModel, float]:
-    """:func:`capture` by tracing at ``inputs``: the capture, and the seconds the model's own
-    forward took there (0 without ``validate``)."""
     devices = [x.device for x in inputs if isinstance(x, torch.Tensor)]
     seed = 0x5EED
     failures: list[str] = []
@@ -1001,7 +992,7 @@ def _traced(model: nn.Module, inputs: tuple[Any, ...], validate: bool) -> tuple[
                 failures.append(result)
                 continue
             gm, metas = result
-            return replace(_build(model, gm, method, metas), structure=structure_digest(model)), ref.seconds
+            return replace(_build(model, gm, method, metas), structure=structure_digest(model))
         ref.run()  # wrong example batch: report that rather than the tracers' errors
     raise CaptureError(f"cannot capture model {type(model).__name__} as a graph: {'; '.join(failures)}; "
                        f"{_fix_for(failures)}")
@@ -1039,11 +1030,19 @@ def _traced_at(model: nn.Module, small: tuple[Any, ...], inputs: tuple[Any, ...]
     where either fails, or where checking at ``inputs`` (two forwards, estimated from one at
     ``small`` scaled by the batch) costs less than :data:`TRACE_AT_WORTH` (the caller traces
     at ``inputs``, whose errors are the user's)."""
-    try:
-        first, forward = _traced(model, small, validate=True)
-    except CaptureError:
-        return None
+    devices = [x.device for x in small if isinstance(x, torch.Tensor)]
+    with _no_kv_cache(model), preserved_state(model, devices):
+        start = time.perf_counter()
+        try:
+            _eager(model, small, 0)
+        except Exception:  # noqa: BLE001 - a model that does not run at the small batch
+            return None
+        forward = time.perf_counter() - start
     if 2 * forward * _batch_of(inputs) / max(1, _batch_of(small)) < TRACE_AT_WORTH:
+        return None
+    try:
+        first = capture(model, small)
+    except CaptureError:
         return None
     return rebatched(first, model, inputs, values=False)
 
