@@ -443,13 +443,20 @@ class ModelFacts:
     memory_runs: dict[str, Measurement] = field(default_factory=dict)  # config -> its --measure-memory run
 
 
+#: (steps, warm-up steps) of a 2-worker --measure-memory run: every schedule's tensor peak is
+#: reached within 4 minibatches (pipedream's, its stashed versions at their most, in the 4th;
+#: measured on the lm: the same peaks as 5 + 3 to 0.1 MiB, pipedream's 415 MiB after 3 in all).
+MEMORY_STEPS = (3, 1)
+
+
 def measure_memory_runs(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
                         args: argparse.Namespace) -> None:
     """After the rounds: one more run of every pipetrain configuration, with ``--measure-memory``
     (the tensor ledger), for its measured tensor peak per worker. The timed rounds run without
     the ledger, whose hooks slow some schedules (measured on the lm: zerobubble m=4 by 40%,
     flush m=4 by 3.5%). ``auto`` is re-run on the plan, schedule and microbatches its timed
-    runs chose (``--plan``), so that the memory measured is that configuration's."""
+    runs chose (``--plan``), so that the memory measured is that configuration's. On 2
+    workers these runs are :data:`MEMORY_STEPS` long: the peak is reached by then."""
     from headline import chosen_of
 
     for cfg in cfgs:
@@ -467,9 +474,12 @@ def measure_memory_runs(model: str, cfgs: list[Config], runs: dict[str, list[Mea
             plan_path = Path(tempfile.mkdtemp(prefix="pt-bench-")) / "plan.json"
             plan_path.write_text(json.dumps(chosen["plan"]))
         t = time.monotonic()
+        steps, warmup = args.steps_for[model], args.warmup
+        if cfg.world == 2:
+            steps, warmup = min(steps, MEMORY_STEPS[0]), min(warmup, MEMORY_STEPS[1])
         got = pipetrain_cli.run_pipetrain(
             args.pipetrain, facts.pipetrain_spec, schedule, cfg.world, config, BATCH_SIZES[model], m,
-            args.steps_for[model], args.warmup, args.seed, args.timeout, cut, measure_memory=True,
+            steps, warmup, args.seed, args.timeout, cut, measure_memory=True,
             plan=str(plan_path) if plan_path else None)
         facts.memory_runs[cfg.name] = got
         what = (f"tensor peak {measured_tensor_peak(got.extra)} MiB" if got.status == "ok"
