@@ -333,3 +333,29 @@ def test_a_profile_traced_at_a_small_batch_describes_the_same_graph(monkeypatch)
     assert 8 not in seen and 2 in seen  # the model computed at the trace batch only
     assert taken == described(float("inf"))
     assert 8 in seen
+
+
+def test_a_bare_module_is_traced_at_its_inputs_cut_to_the_trace_batch(monkeypatch) -> None:
+    """Without a bundle's make_batch, the inputs whose first dimension is the batch are cut to
+    TRACE_BATCH samples; another input (a mask for every sample) stays whole."""
+    import importlib
+
+    cap = importlib.import_module("pipetrain.graph.capture")
+
+    class Masked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(6, 6)
+
+        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            return self.fc(x) * mask
+
+    model = Masked()
+    seen: list[tuple[int, ...]] = []
+    model.register_forward_pre_hook(lambda _, args: None if args[0].is_meta else seen.append(
+        (int(args[0].shape[0]), int(args[1].shape[0]))))
+    x, mask = torch.randn(12, 6), torch.ones(1, 6)
+    monkeypatch.setattr(cap, "TRACE_AT_WORTH", 0.0)
+    prof = profile_model(model, (x, mask), warmup=0, repeats=1)
+    assert set(seen) == {(2, 1)}
+    assert prof["fc"].activation_bytes == 12 * 6 * 4  # the whole batch's output
