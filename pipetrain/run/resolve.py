@@ -191,11 +191,13 @@ def _too_many_stages(cfg: TrainConfig, workers: int, layers: int, stages: int) -
         f"{example}) or --schedule {_one_stage_names()}")
 
 
-def _check_layers(cfg: TrainConfig, workers: int, layers: int) -> None:
-    """More model stages than layers: say how many workers fit."""
+def _check_layers(cfg: TrainConfig, workers: int, captured: Any) -> None:
+    """More model stages than ``captured``'s layers (its graph's nodes but the inputs): say
+    how many workers fit."""
     par, spec = cfg.parallel, cfg.spec
     if spec.one_stage or par.plan is not None or par.cut is not None:
         return
+    layers = sum(1 for n in captured.graph.nodes if not n.is_input)
     if par.config is None:
         stages = int(spec.model_stages(workers, par.schedule_options))
         if stages > layers:
@@ -573,7 +575,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     auto = None
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
         whole = _load_captured(cfg, batch)
-        _check_layers(cfg, workers, sum(1 for n in whole[1].graph.nodes if not n.is_input))  # before measuring
+        _check_layers(cfg, workers, whole[1])  # before measuring
         cfg, auto = _auto(cfg, workers, batch, world, whole)
         par, spec = cfg.parallel, cfg.spec
         options = par.schedule_options
@@ -599,7 +601,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     captured_unit = batch // m  # the samples of the capture's example batch
     bundle, captured, shipped = _load_shipped(cfg, captured_unit)  # traced for its bundle: ship_model's rule
     _check_fits(bundle, source)
-    _check_layers(cfg, workers, sum(1 for n in captured.graph.nodes if not n.is_input))
+    _check_layers(cfg, workers, captured)
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)
     if replicas is None and auto is None:  # a configuration the user did not name: say what and why, now
         log.info("plan: %s", note)
