@@ -6,7 +6,8 @@
 
 A measured profile ends with its step check (the profile's forward + backward against the
 whole model's, measured in the same run, :mod:`pipetrain.profile.step_check`; a model whose
-activations exceed ``--check-memory`` is checked on the tail of its graph that fits) and a
+activations exceed ``--check-memory`` is checked on the tail of its graph that fits, one whose
+forward + backward exceeds ``--check-seconds`` on a tail within that) and a
 one-line warning when they disagree by more than 15%. Profiles are kept in the measurement cache
 (:mod:`pipetrain.profile.cache`: ``$PIPETRAIN_CACHE`` or ``~/.cache/pipetrain``) and reused
 for the same model, options, batch, device, threads, optimizer and repeats on the same
@@ -92,6 +93,10 @@ def register(subparsers: Any) -> None:
     p.add_argument("--check-memory", type=float, default=1.0, metavar="GIB",
                    help="activations the final whole-model check may hold, GiB (default 1; a larger model is "
                         "checked on the tail of its graph that fits)")
+    p.add_argument("--check-seconds", type=float, default=4.0, metavar="S",
+                   help="forward + backward the final check's region may take, seconds, as the profile measured "
+                        "it (default 4, pipetrain.profile.measure.CHECK_SECONDS; a longer model is checked on a "
+                        "tail of its graph within it)")
     p.add_argument("--no-cache", dest="cache", action="store_false",
                    help="measure again instead of reusing a profile of the same model, options and settings from "
                         "the measurement cache ($PIPETRAIN_CACHE or ~/.cache/pipetrain), and leave the cache alone")
@@ -125,6 +130,8 @@ def run(args: argparse.Namespace) -> int:
             raise PipetrainError(f"{flag} must be an integer >= {low}, got {value}; pass e.g. {flag} {max(low, 2)}")
     if not args.check_memory > 0:
         raise PipetrainError(f"--check-memory must be > 0 GiB, got {args.check_memory:g}; pass e.g. --check-memory 1")
+    if not args.check_seconds >= 0:
+        raise PipetrainError(f"--check-seconds must be >= 0, got {args.check_seconds:g}; pass e.g. --check-seconds 4")
     resolve_device(args.device)  # fail before building the model
     optimizer_state_factor(args.optimizer, args.momentum)
     if args.output:
@@ -164,12 +171,13 @@ def _measured(args: argparse.Namespace, bundle: Any, options: dict[str, Any]) ->
            "options": options, "batch_size": batch, "device": args.device,
            "dtype": model_dtype(bundle.model), "threads": threads, "optimizer": args.optimizer,
            "momentum": args.momentum, "counts": fast_counts(args.warmup, args.repeats),
-           "check_memory": args.check_memory}
+           "check_memory": args.check_memory, "check_seconds": args.check_seconds}
     cache = MeasurementCache(enabled=args.cache)
     profile, hit = cached_profile(cache, key, lambda: profile_model(
         bundle, batch_size=batch, device=args.device, warmup=args.warmup, repeats=args.repeats,
         optimizer=args.optimizer, momentum=args.momentum, model_name=args.model, threads=args.threads,
-        progress=True, check_memory=args.check_memory * 2**30), device=args.device)
+        progress=True, check_memory=args.check_memory * 2**30,
+        check_seconds=args.check_seconds), device=args.device)
     return profile, (min(cache.reused.values()) if hit and cache.reused else None)
 
 

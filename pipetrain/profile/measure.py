@@ -25,11 +25,16 @@
    segment, timed the same way under :data:`CHECK_BUDGET`. When the whole model's
    activations exceed ``check_memory`` bytes (:data:`CHECK_MEMORY`), the check runs on the
    longest tail of the graph whose activations fit (:func:`check_start`), so it never
-   holds more than that: the values entering that tail are kept for it through the pass.
+   holds more than that. When that region's forward + backward, as the pass measured it,
+   exceeds ``check_seconds`` (:data:`CHECK_SECONDS`), the check runs on a shorter tail: the
+   longest that fits, among a few starts chosen before the pass (:func:`check_candidates`),
+   else the shortest of them; so the check of a large model costs a few seconds, not a
+   step. The values entering each of those starts are kept through the pass, and those of
+   the region not chosen are freed before the check runs.
 
 So a profile costs about three forward + backward steps of the model, a few more for a small
-one (whose regions are repeated up to ``warmup + repeats`` times) and about two for a large
-one (each long node runs once, the check once).
+one (whose regions are repeated up to ``warmup + repeats`` times) and about one for a large
+one (each long node runs once, the check on a tail of ``check_seconds``).
 
 Memory: a node's output is freed once every node that reads it has run and its segment is
 timed (the model's outputs are kept for the loss), each run's autograd graph goes with its
@@ -53,7 +58,7 @@ node reads it all).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,7 +76,8 @@ from .timing import Clock, RepeatBudget, TimerCost, robust_seconds
 
 __all__ = ["Measured", "MeasureOptions", "measure_graph", "check_start", "held_check_limit", "split_time",
            "HELD_CHECK_SHARE", "HELD_CHECK_FLOOR", "RERUN_BELOW", "LONG_RUN",
-           "SEGMENT_BUDGET", "CHECK_BUDGET", "CHECK_MEMORY"]
+           "SEGMENT_BUDGET", "CHECK_BUDGET", "CHECK_MEMORY", "CHECK_SECONDS", "CHECK_STARTS",
+           "check_candidates"]
 
 #: A node whose first run (forward + backward) is shorter than this runs again for its estimate.
 RERUN_BELOW = 10e-3
@@ -87,6 +93,11 @@ STALL_RATIO = 20.0
 CHECK_BUDGET = 1.0
 #: Activation bytes the whole-model check may hold (above: it checks the graph's tail).
 CHECK_MEMORY = 1 << 30
+#: Seconds of forward + backward (as the pass measured them) the check's region may take
+#: (above: it checks a shorter tail)...
+CHECK_SECONDS = 4.0
+#: ...starting at one of at most this many nodes, spread over the memory-bounded region.
+CHECK_STARTS = 8
 #: Of a weightless model's tensor bytes, what its check may hold by default (parameters
 #: and their gradients count twice their bytes, activations once; the launcher's quick
 #: profile for W workers: 1/W, a stage's share)...
@@ -132,6 +143,37 @@ def check_start(compute: Sequence[torch.fx.Node], activation_bytes: Mapping[str,
         start -= 1
         total += cost
     return min(start, len(compute) - 1) if compute else 0
+
+
+def check_candidates(compute: Sequence[torch.fx.Node], start: int,
+                     count: int = CHECK_STARTS) -> list[tuple[int, frozenset[str]]]:
+    """Where the check may start, from ``start`` on, each with the names of the values that
+    enter the tail from before it (the graph's parameters and buffers, always kept, aside):
+    ``start`` itself, then one node from each of ``count`` - 1 equal stretches of the rest,
+    the one with the fewest values entering (the first of those), so the kept values stay
+    few. Ordered from the longest tail to the shortest."""
+    n = len(compute)
+    if n == 0:
+        return []
+
+    def entering() -> Iterator[tuple[int, set[torch.fx.Node]]]:
+        # compute[c:] reads the inputs of its nodes that are not in it; a node's inputs come
+        # before it in the (topological) order, so walking back keeps that set exactly
+        now: set[torch.fx.Node] = set()
+        for c in range(n - 1, start - 1, -1):
+            now.discard(compute[c])
+            now.update(a for a in compute[c].all_input_nodes if a.op != "get_attr")
+            yield c, now
+
+    sizes = {c: len(values) for c, values in entering()}
+    span = n - start
+    parts = max(1, min(count, span))
+    picks = {start}
+    for k in range(1, parts):
+        stretch = range(start + k * span // parts, start + (k + 1) * span // parts)
+        picks.add(min(stretch, key=lambda c: (sizes[c], c)))
+    found = [(c, frozenset(a.name for a in values)) for c, values in entering() if c in picks]
+    return found[::-1]
 
 
 def held_check_limit(limit: float | None, held: HeldTensors, share: float = HELD_CHECK_SHARE) -> float | None:
@@ -185,6 +227,13 @@ class _Values:
             self.readers[src.name] -= 1
             if self.readers[src.name] == 0:
                 self.dead.append(src.name)
+
+    def unpin(self, names: set[str]) -> None:
+        """Stop keeping ``names``: those no node still to run reads are freed."""
+        self.pinned -= names
+        for name in names:
+            if self.readers[name] <= 0 and name in self.env:
+                self.saved.release(self.env.pop(name))
 
     def release(self) -> None:
         """Free the values no node still to run reads (the model's outputs stay)."""
@@ -319,6 +368,7 @@ class MeasureOptions:
     progress: bool = False
     check_memory: float | None = CHECK_MEMORY
     held_share: float = HELD_CHECK_SHARE
+    check_seconds: float | None = CHECK_SECONDS
 
 
 class _GraphPass:
@@ -346,12 +396,18 @@ class _GraphPass:
         limit = held_check_limit(options.check_memory, held, options.held_share)
         start = check_start(self.compute, activation_bytes, limit,
                             (lambda n: 2 * held.nbytes(n, seen)) if held.weightless else None)
-        self.checked = self.compute[start:]
-        inside = set(self.checked)
+        self.checked = self.compute[start:]  # the longest region; the check may take a tail of it
         if held.weightless:  # a tensor is held while its nodes run, and the check's until the check
             self.values.pinned -= {n.name for n in gm.graph.nodes if n.op == "get_attr"}
             held.pin(self.checked)
-        self.values.pinned |= {a.name for n in self.checked for a in n.all_input_nodes if a not in inside}
+        self.values.pinned |= {a.name for n in self.checked for a in n.all_input_nodes if a.op == "get_attr"}
+        self.always = set(self.values.pinned)
+        # where the check may start, longest tail first, and the seconds of each tail timed so far
+        count = 1 if options.check_seconds is None else CHECK_STARTS
+        self.starts = check_candidates(self.compute, start, count) if self.checked else []
+        self.spent = [0.0] * len(self.starts)
+        self.position = {n.name: i for i, n in enumerate(self.compute)}
+        self.values.pinned |= {name for _, names in self.starts for name in names}
 
     def node(self, node: torch.fx.Node) -> None:
         """Run ``node`` alone (step 1); time its segment if it completes one (step 2)."""
@@ -370,7 +426,7 @@ class _GraphPass:
                 self._segment(self.builder.take())
             self.times[node.name] = (f, b or 0.0)
             self.segments += 1
-            self._done()
+            self._done([node.name])
             return
         self.builder.add(node, f + (b or 0.0))
         if self.builder.complete(self.following[node]):
@@ -383,14 +439,24 @@ class _GraphPass:
         let_go(segment.module, self.gm)
         self.times.update(split_time([n.name for n in nodes], sf, sb, self.estimates))
         self.segments += 1
-        self._done()
+        self._done([n.name for n in nodes])
 
     def _fresh_run(self, segment: Segment) -> tuple[float, float | None]:
         self.fresh()  # a weightless graph's held weights: one gradient each at a time
         return segment.run(self.values.__getitem__)
 
-    def _done(self) -> None:
-        """A segment is measured: free what no later node reads, and the gradients."""
+    def _done(self, timed: list[str]) -> None:
+        """A segment (the nodes ``timed``) is measured: free what no later node reads, the
+        values kept for a check that can no longer start there, and the gradients."""
+        for name in timed:
+            at, seconds = self.position[name], sum(self.times[name])
+            self.spent = [t + seconds if c <= at else t for (c, _), t in zip(self.starts, self.spent)]
+        limit = self.options.check_seconds
+        drop = 0  # the tails already longer than the limit (the shortest is kept whatever it takes)
+        while limit is not None and drop < len(self.starts) - 1 and self.spent[drop] > limit:
+            drop += 1
+        if drop:
+            self._keep_starts(drop, len(self.starts) - 1)
         self.values.release()
         self.held.release()
         self.held.zero_grad()
@@ -418,10 +484,22 @@ class _GraphPass:
         step_from = self.checked[0].name if self.checked and self.checked[0] is not self.compute[0] else None
         return Measured(self.times, self.kept, step, step_from, loss_saved, self.segments, self.held.peak_bytes)
 
+    def _keep_starts(self, first: int, last: int) -> None:
+        """Keep the check's starts ``first`` to ``last`` (included); let go of the others and
+        of the values kept for them."""
+        kept = {name for _, names in self.starts[first:last + 1] for name in names}
+        dropped = {name for _, names in self.starts for name in names} - kept - self.always
+        self.starts, self.spent = self.starts[first:last + 1], self.spent[first:last + 1]
+        self.values.unpin(dropped)
+
     def _check(self) -> tuple[float, float]:
         """The checked region as one segment: its (forward, backward) seconds (module docstring, 3)."""
         if not self.checked:
             return 0.0, 0.0
+        # every node is timed: the first start left is the longest tail within check_seconds,
+        # or the shortest (module docstring, 3)
+        self.checked = self.compute[self.starts[0][0]:]
+        self._keep_starts(0, 0)
         region = Segment(self.gm, self.checked, self.clock)
         budget = RepeatBudget(min(self.options.warmup, 1), self.options.repeats, CHECK_BUDGET, LONG_RUN)
         estimate = math.fsum(sum(self.times.get(n.name, (0.0, 0.0))) for n in self.checked)

@@ -19,7 +19,8 @@ backward, ``warmup`` untimed and up to ``repeats`` timed runs (fewer for a long 
 an empty region. A segment's forward and backward are split over its nodes in proportion to
 their estimates, so per-node entries remain for the planner and add up to the segments.
 Finally the whole model runs as one segment (a model whose activations exceed
-``check_memory``: the longest tail of its graph that fits): the profile records that step
+``check_memory``: the longest tail of its graph that fits; one whose forward + backward
+exceeds ``check_seconds``: a tail within it): the profile records that step
 (``measured_forward_time`` / ``measured_backward_time``, ``measured_from``), and
 :func:`~pipetrain.profile.step_check.step_check` compares the profile's total with it.
 Nodes with no differentiable output get backward 0. In-place nodes run on fresh clones, so
@@ -47,7 +48,7 @@ from torch.utils import _pytree as pytree
 from ..errors import ProfileError
 from ..graph.capture import CapturedModel, capture, preserved_state
 from ..graph.held import ValueOf
-from .measure import CHECK_MEMORY, HELD_CHECK_SHARE, MeasureOptions, measure_graph
+from .measure import CHECK_MEMORY, CHECK_SECONDS, HELD_CHECK_SHARE, MeasureOptions, measure_graph
 from .saved import SavedBytes
 from .types import NodeProfile, Profile
 
@@ -170,7 +171,7 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
                      threads: int | None = None, loss_fn: Callable[[Any, Any], Any] | None = None,
                      target: Any = None, progress: bool = False,
                      check_memory: float | None = CHECK_MEMORY, values: ValueOf | None = None,
-                     held_share: float = HELD_CHECK_SHARE) -> Profile:
+                     held_share: float = HELD_CHECK_SHARE, check_seconds: float | None = CHECK_SECONDS) -> Profile:
     """Profile an already captured model (its ``gm`` and ``example_inputs`` on ``device``).
 
     Same measurements and arguments as :func:`profile_model`; node names are
@@ -178,7 +179,9 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
     and ``target`` the profile also records what the loss saves for backward.
     ``check_memory``: activation bytes the final whole-model check may hold (None: no limit);
     a model with more is checked on the longest tail of its graph that fits
-    (:func:`~pipetrain.profile.measure.check_start`). A weightless capture (its tensors on
+    (:func:`~pipetrain.profile.measure.check_start`); ``check_seconds``: the measured
+    forward + backward that region may take (None: no limit), above which a shorter tail of
+    it is checked (:data:`~pipetrain.profile.measure.CHECK_SECONDS`). A weightless capture (its tensors on
     meta) is profiled holding a few of its tensors at a time, ``values(name)``'s values
     (default: ``captured.tensor_values``) where it has them, else stand-ins
     (:mod:`pipetrain.graph.held`); it is left weightless; its check holds at most
@@ -207,7 +210,7 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
 
     _warm_autograd(dev)
     options = MeasureOptions(*fast_counts(warmup, repeats), progress=progress, check_memory=check_memory,
-                             held_share=held_share)
+                             held_share=held_share, check_seconds=check_seconds)
     acts = {n.name: n.activation_bytes for n in captured.graph}
     with num_threads(threads), _saved_grads([gm]), preserved_state(gm, [dev]):
         measured = measure_graph(gm, inputs, dev, options, loss, acts,
@@ -263,7 +266,7 @@ def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.
                   batch_size: int | None = None, device: str | torch.device = "cpu",
                   warmup: int = 2, repeats: int = 5, optimizer: str = "sgd", momentum: float = 0.9,
                   model_name: str = "", threads: int | None = None, progress: bool = False,
-                  check_memory: float | None = CHECK_MEMORY) -> Profile:
+                  check_memory: float | None = CHECK_MEMORY, check_seconds: float | None = CHECK_SECONDS) -> Profile:
     """Capture a model and measure every layer's costs for one minibatch.
 
     Args:
@@ -289,6 +292,8 @@ def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.
         threads: if given, ``torch.set_num_threads`` for the measurement (restored after).
         progress: show progress on a long profile (a bar on a terminal, else log lines).
         check_memory: activation bytes the final check may hold (:func:`profile_captured`).
+        check_seconds: forward + backward seconds the final check's region may take
+            (:func:`profile_captured`).
 
     Returns:
         A :class:`Profile` whose node names are the captured graph's node names.
@@ -339,7 +344,7 @@ def profile_model(model_or_bundle: Any, example_inputs: tuple[Any, ...] | torch.
         return profile_captured(
             captured, inputs, batch_size=batch_size, device=dev, warmup=warmup, repeats=repeats,
             optimizer=optimizer, momentum=momentum, model_name=name, threads=threads,
-            loss_fn=loss_fn, target=target, progress=progress, check_memory=check_memory,
+            loss_fn=loss_fn, target=target, progress=progress, check_memory=check_memory, check_seconds=check_seconds,
         )
     finally:
         if moved:

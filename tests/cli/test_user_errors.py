@@ -191,6 +191,8 @@ def test_save_profile_unwritable(files: dict[str, Path]) -> None:
     (["--batch-size", "0"], r"--batch-size must be an integer >= 1, got 0"),
     (["--threads", "0"], r"--threads must be an integer >= 1, got 0"),
     (["--momentum", "-1"], r"momentum must be a finite number >= 0, got -1.0"),
+    (["--check-memory", "0"], r"--check-memory must be > 0 GiB, got 0; pass e.g. --check-memory 1"),
+    (["--check-seconds", "-1"], r"--check-seconds must be >= 0, got -1; pass e.g. --check-seconds 4"),
 ])
 def test_profile_numbers(argv: list[str], match: str, capsys: pytest.CaptureFixture[str]) -> None:
     cli_error(["profile", "--model", "mlp", *argv], capsys, match)

@@ -12,7 +12,7 @@ from torch import nn
 
 from pipetrain.graph import capture
 from pipetrain.profile import NodeProfile, Profile, load_profile, save_profile
-from pipetrain.profile.measure import MIN_SHARE, check_start, split_time
+from pipetrain.profile.measure import CHECK_STARTS, MIN_SHARE, check_candidates, check_start, split_time
 from pipetrain.profile.profiler import profile_captured
 from pipetrain.profile.progress import LOG_EVERY, ProfileProgress
 from pipetrain.profile.saved import SavedBytes
@@ -129,8 +129,14 @@ def test_node_outputs_are_freed_once_read(monkeypatch: pytest.MonkeyPatch) -> No
     model = nn.Sequential(*[nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(20)])
     x = torch.randn(128, 512)
     cm = capture(model, x)
-    profile_captured(cm, x, warmup=0, repeats=1, threads=1)
+    profile_captured(cm, x, warmup=0, repeats=1, threads=1, check_seconds=None)
     assert len(cm.graph) == 41 and len(live) == 41 and max(live) <= 8
+    live.clear()  # and the values kept where a check may start, while it still may (a short model)
+    profile_captured(cm, x, warmup=0, repeats=1, threads=1)
+    assert len(live) == 41 and max(live) <= 8 + CHECK_STARTS - 1
+    live.clear()  # a start is let go of once the nodes after it took longer than check_seconds
+    profile_captured(cm, x, warmup=0, repeats=1, threads=1, check_seconds=0.0)
+    assert len(live) == 41 and max(live) <= 9
 
 
 def test_progress_logs_lines_without_a_terminal(caplog: pytest.LogCaptureFixture) -> None:
@@ -204,3 +210,60 @@ def test_a_large_model_is_checked_on_its_tail_and_the_ratio_counts_those_nodes(t
                                    f"nodes from _4 on ({check.share:.0%} of the profile) ")
     save_profile(prof, tmp_path / "p.json")
     assert load_profile(tmp_path / "p.json").measured_from == "_4"
+
+
+class Skip(nn.Module):
+    """x -> a -> relu -> (+ x) -> b: the add reads the input from before the block."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x).relu() + x)
+
+
+def test_the_check_may_start_where_few_values_enter_and_knows_what_enters() -> None:
+    cm = capture(Skip(), torch.randn(2, 8))
+    nodes = [n for n in cm.gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
+    assert [n.name for n in nodes] == ["a", "relu", "add", "b"]
+    every = check_candidates(nodes, 0)                        # 4 nodes: each one a start
+    assert [(nodes[c].name, set(names)) for c, names in every] == [
+        ("a", {"x"}), ("relu", {"a", "x"}), ("add", {"relu", "x"}), ("b", {"add"})]
+    # two stretches after the first start: [relu], [add, b]; add has two values entering, b one
+    assert [nodes[c].name for c, _ in check_candidates(nodes, 0, count=3)] == ["a", "relu", "b"]
+    assert [nodes[c].name for c, _ in check_candidates(nodes, 2)] == ["add", "b"]
+    assert check_candidates([], 0) == []
+
+
+def test_a_long_check_runs_on_the_longest_tail_within_check_seconds() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    x = torch.randn(32, 64)
+    cm = capture(model, x)
+
+    def tail(prof: Profile, first: str) -> float:
+        nodes = [n for n in prof.nodes if not n.is_input]
+        return sum(n.compute_time for n in nodes[[n.name for n in nodes].index(first):])
+
+    whole = profile_captured(cm, x, warmup=1, repeats=3, threads=1, check_seconds=None)
+    assert whole.measured_from is None
+    shortest = profile_captured(cm, x, warmup=1, repeats=3, threads=1, check_seconds=0.0)
+    assert shortest.measured_from == "_5"                      # nothing fits: the shortest tail
+    check = step_check(shortest)
+    assert check is not None and check.total == pytest.approx(shortest["_5"].compute_time)
+    prof = profile_captured(cm, x, warmup=1, repeats=3, threads=1, check_seconds=1.0)
+    assert prof.measured_from is None                         # a few ms: the whole model
+    total = prof.total_forward_time + prof.total_backward_time
+    names = [f"_{i}" for i in range(6)]
+    for share in (0.3, 0.6):
+        limit = share * total
+        part = profile_captured(cm, x, warmup=1, repeats=3, threads=1, check_seconds=limit)
+        first = part.measured_from
+        assert first is not None and part.measured_step_time is not None
+        # the longest tail within the limit, by this profile's own times
+        assert tail(part, first) <= limit, (first, limit)
+        assert tail(part, names[names.index(first) - 1]) > limit, (first, limit)
+        check = step_check(part)
+        assert check is not None and check.total == pytest.approx(tail(part, first))
