@@ -61,7 +61,7 @@ from .types import LayerGraph, LayerNode, TensorMeta
 __all__ = [
     "CapturedModel", "SharedParameter", "capture", "model_parameter_bytes", "tensor_metas",
     "node_op_name", "is_inplace_node", "inplace_writers", "buffer_updates", "BufferUpdate",
-    "rebatched", "structure_digest",
+    "rebatched", "structure_digest", "batch_size_of",
 ]
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -1038,7 +1038,7 @@ def _traced_at(model: nn.Module, small: tuple[Any, ...], inputs: tuple[Any, ...]
         except Exception:  # noqa: BLE001 - a model that does not run at the small batch
             return None
         forward = time.perf_counter() - start
-    if 2 * forward * _batch_of(inputs) / max(1, _batch_of(small)) < TRACE_AT_WORTH:
+    if 2 * forward * (batch_size_of(inputs) or 1) / max(1, batch_size_of(small) or 1) < TRACE_AT_WORTH:
         return None
     try:
         first = capture(model, small)
@@ -1047,8 +1047,10 @@ def _traced_at(model: nn.Module, small: tuple[Any, ...], inputs: tuple[Any, ...]
     return rebatched(first, model, inputs, values=False)
 
 
-def _batch_of(inputs: tuple[Any, ...]) -> int:
-    return next((int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), 1)
+def batch_size_of(inputs: tuple[Any, ...]) -> int | None:
+    """The batch of a model's inputs: the first dimension of the first tensor that has one
+    (None: no such tensor)."""
+    return next((int(x.shape[0]) for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
 
 
 # --------------------------------------------------------------------------- the same graph at another batch

@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import ProfileError
-from ..graph.capture import CapturedModel, capture, preserved_state
+from ..graph.capture import CapturedModel, batch_size_of, capture, preserved_state
 from ..graph.held import ValueOf
 from .measure import CHECK_MEMORY, CHECK_SECONDS, HELD_CHECK_SHARE, MeasureOptions, measure_graph
 from .saved import SavedBytes
@@ -200,8 +200,7 @@ def profile_captured(captured: CapturedModel, example_inputs: tuple[Any, ...] | 
             "pass one value per model input"
         )
     if batch_size is None:
-        first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-        batch_size = int(first.shape[0]) if first is not None else None
+        batch_size = batch_size_of(inputs)
 
     def loss(saved: SavedBytes, output: Any) -> tuple[int, bool] | None:
         if loss_fn is None or target is None:
@@ -355,10 +354,10 @@ def _trace_example(bundle: Any, inputs: tuple[Any, ...], device: torch.device) -
     """The example of :data:`TRACE_BATCH` samples the model is traced at (None: ``inputs``'
     batch is at most twice that): a bundle's ``make_batch``, else every input whose first
     dimension is the batch cut to its first samples."""
-    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-    if first is None or int(first.shape[0]) <= 2 * TRACE_BATCH:
+    batch = batch_size_of(inputs)
+    if batch is None or batch <= 2 * TRACE_BATCH:
         return None
-    batch, make_batch = int(first.shape[0]), getattr(bundle, "make_batch", None)
+    make_batch = getattr(bundle, "make_batch", None)
     if make_batch is not None:
         try:
             small, _ = make_batch(TRACE_BATCH, torch.Generator().manual_seed(0))
@@ -372,11 +371,11 @@ def _trace_example(bundle: Any, inputs: tuple[Any, ...], device: torch.device) -
 def _loss_and_target(bundle: Any, inputs: tuple[Any, ...]) -> tuple[Any, Any]:
     """A bundle's loss and a target for ``inputs``' batch size (``(None, None)`` for a bare module)."""
     loss_fn, make_batch = getattr(bundle, "loss_fn", None), getattr(bundle, "make_batch", None)
-    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
-    if loss_fn is None or make_batch is None or first is None:
+    batch = batch_size_of(inputs)
+    if loss_fn is None or make_batch is None or batch is None:
         return None, None
     try:
-        _, target = make_batch(int(first.shape[0]), torch.Generator().manual_seed(0))
+        _, target = make_batch(batch, torch.Generator().manual_seed(0))
     except Exception:  # noqa: BLE001 - a bundle whose make_batch cannot make this size
         return None, None
     return loss_fn, target
