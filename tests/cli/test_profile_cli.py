@@ -120,3 +120,13 @@ def test_parse_option(item: str, expected: tuple) -> None:
 def test_parse_option_rejects_missing_value() -> None:
     with pytest.raises(PipetrainError, match="--option 'depth' must be KEY=VALUE"):
         parse_option("depth")
+
+
+def test_the_check_flags_default_to_the_profilers_bounds() -> None:
+    """The parser spells the defaults out (it does not import the profiler); they must stay
+    the profiler's own."""
+    from pipetrain.cli import build_parser
+    from pipetrain.profile.measure import CHECK_MEMORY, CHECK_SECONDS
+
+    args = build_parser().parse_args(["profile", "--model", "mlp"])
+    assert args.check_memory * 2**30 == CHECK_MEMORY and args.check_seconds == CHECK_SECONDS
