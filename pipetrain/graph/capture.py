@@ -56,6 +56,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
+from .held import on_meta
 from .types import LayerGraph, LayerNode, TensorMeta
 
 __all__ = [
@@ -1015,10 +1016,10 @@ def tensors_on_meta(*modules: nn.Module) -> Iterator[None]:
             for owner in module.modules():
                 for name, p in list(owner.named_parameters(recurse=False)):
                     bound.append((owner, name, p))
-                    setattr(owner, name, nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad))
+                    setattr(owner, name, on_meta(p))
                 for name, b in list(owner.named_buffers(recurse=False)):
                     bound.append((owner, name, b))
-                    setattr(owner, name, torch.empty_like(b, device="meta"))
+                    setattr(owner, name, on_meta(b))
         yield
     finally:
         for owner, name, t in reversed(bound):

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.fx
 from torch import nn
 
-__all__ = ["HeldTensors", "ValueOf", "STAND_IN_STD", "TRIM_EVERY", "let_go", "trim_heap", "retarget", "undo_retarget"]
+__all__ = ["HeldTensors", "ValueOf", "STAND_IN_STD", "TRIM_EVERY", "let_go", "on_meta", "trim_heap", "retarget",
+           "undo_retarget"]
+
+_T = TypeVar("_T", bound=torch.Tensor)
 
 #: The standard deviation of a floating-point stand-in value.
 STAND_IN_STD = 0.02
@@ -52,6 +55,13 @@ def _stand_in(t: torch.Tensor, name: str, device: torch.device) -> torch.Tensor:
 #: Bytes put back after which :meth:`HeldTensors.release` hands freed heap memory back to
 #: the kernel (:func:`trim_heap`).
 TRIM_EVERY = 64 << 20
+
+
+def on_meta(t: _T) -> _T:
+    """An empty tensor on ``meta`` of ``t``'s shape and dtype; of a parameter, a parameter
+    that keeps its ``requires_grad``."""
+    meta = torch.empty_like(t, device="meta")
+    return cast(_T, nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta)
 
 
 def trim_heap() -> None:

@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..errors import ModelError
+from ..graph.held import on_meta
 
 __all__ = ["KEPT_ELEMENTS", "NotWeightless", "WeightlessModel", "build_weightless", "hold_values", "is_weightless",
            "meta_limit",
@@ -204,8 +205,8 @@ class _CallLog(TorchFunctionMode):
 
 
 def _meta_parameter(param: nn.Parameter) -> nn.Parameter:
-    meta = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
-    meta.__dict__.update(param.__dict__)
+    meta = on_meta(param)
+    meta.__dict__.update(param.__dict__)  # what a model wrote on its parameter (sharding hints...)
     return meta
 
 
@@ -232,7 +233,7 @@ def _registered_on_meta(log: _CallLog, kept: dict[int, Tensor]) -> Iterator[None
     def on_buffer(module: nn.Module, name: str, buffer: Tensor | None) -> Tensor | None:
         if buffer is None or buffer.is_meta:
             return None
-        meta = torch.empty_like(buffer, device="meta")
+        meta = on_meta(buffer)
         kept[id(meta)] = buffer.detach()
         log.track(meta)
         return meta

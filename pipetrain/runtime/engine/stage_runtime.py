@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ...graph.held import on_meta
 from ...job.config import LRSchedule
 from ...stages.partition import StageModule
 from .comm import Comm
@@ -78,8 +79,7 @@ class StageRuntime:
         for n, p in list(mod.named_parameters(remove_duplicate=False)):
             meta = metas.get(id(p))
             if meta is None:
-                meta = metas[id(p)] = torch.nn.Parameter(torch.empty_like(p, device="meta"),
-                                                         requires_grad=p.requires_grad)
+                meta = metas[id(p)] = on_meta(p)
             owner, _, leaf = n.rpartition(".")
             sub = mod.get_submodule(owner) if owner else mod
             setattr(sub, leaf, meta)

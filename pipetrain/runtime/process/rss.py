@@ -45,13 +45,15 @@ def tune_malloc() -> bool:
 
 def default_malloc() -> None:
     """glibc's thresholds as documented (mallopt(3)), and the freed heap returned to the kernel."""
+    from ...graph.held import trim_heap
+
     try:
         libc = _libc()
         for param, value in _DEFAULTS.items():
             libc.mallopt(param, value)
-        libc.malloc_trim(0)
     except (OSError, AttributeError):
-        pass
+        return
+    trim_heap()
 
 
 @contextlib.contextmanager
