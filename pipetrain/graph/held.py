@@ -210,8 +210,10 @@ class HeldTensors:
         return sum(_nbytes(t) for t in {id(t): t for t in self.original.values()}.values())
 
     def pin(self, nodes: Iterable[torch.fx.Node]) -> None:
-        """Keep ``nodes``' tensors held until :meth:`restore` once held."""
-        self.pinned |= {id(self.original[t]) for n in nodes for t in self.targets.get(n, [])}
+        """Keep exactly ``nodes``' tensors held once held, until :meth:`restore` or the next
+        ``pin``: a tensor pinned before and not now goes at the next :meth:`release` once
+        its nodes have all run."""
+        self.pinned = {id(self.original[t]) for n in nodes for t in self.targets.get(n, [])}
 
     def hold(self, node: torch.fx.Node) -> None:
         """Real storage for every tensor ``node`` reads (the graph's attributes point at it)."""

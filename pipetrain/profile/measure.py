@@ -485,12 +485,21 @@ class _GraphPass:
         return Measured(self.times, self.kept, step, step_from, loss_saved, self.segments, self.held.peak_bytes)
 
     def _keep_starts(self, first: int, last: int) -> None:
-        """Keep the check's starts ``first`` to ``last`` (included); let go of the others and
-        of the values kept for them."""
+        """Keep the check's starts ``first`` to ``last`` (included); let go of the others, of
+        the values kept for them and, in a weightless graph, of the tensors held for nodes no
+        tail left begins before."""
         kept = {name for _, names in self.starts[first:last + 1] for name in names}
         dropped = {name for _, names in self.starts for name in names} - kept - self.always
         self.starts, self.spent = self.starts[first:last + 1], self.spent[first:last + 1]
         self.values.unpin(dropped)
+        if self.held.weightless and self.starts:  # the tensors only nodes before every tail left read
+            first_node = self.starts[0][0]
+            self.held.pin(self.compute[first_node:])
+            tail = {a.name for n in self.compute[first_node:] for a in n.all_input_nodes if a.op == "get_attr"}
+            before = {a.name for n in self.compute[:first_node] for a in n.all_input_nodes if a.op == "get_attr"}
+            gone = (before & self.always) - tail - kept
+            self.always -= gone
+            self.values.unpin(gone)
 
     def _check(self) -> tuple[float, float]:
         """The checked region as one segment: its (forward, backward) seconds (module docstring, 3)."""

@@ -87,6 +87,24 @@ def test_timing_a_weightless_graph_holds_a_few_tensors_at_a_time() -> None:
     assert measured.times and all(f >= 0 and b >= 0 for f, b in measured.times.values())
 
 
+def test_a_check_on_a_short_tail_lets_the_tensors_before_it_go() -> None:
+    captured, x, total = _weightless_deep()
+    acts = {n.name: n.activation_bytes for n in captured.graph}
+    compute = [n.name for n in captured.gm.graph.nodes if n.op not in ("placeholder", "get_attr", "output")]
+    # no memory bound: every tensor could be checked; bounded by time, the check takes a short tail
+    unbounded = measure_graph(captured.gm, (x,), torch.device("cpu"),
+                              MeasureOptions(0, 1, check_memory=None, check_seconds=None), activation_bytes=acts)
+    assert unbounded.step_from is None and unbounded.held_bytes == total  # the whole model kept to check
+    measured = measure_graph(captured.gm, (x,), torch.device("cpu"),
+                             MeasureOptions(0, 1, check_memory=None, check_seconds=0.0), activation_bytes=acts)
+    assert measured.step_from is not None
+    tail = compute[compute.index(measured.step_from):]
+    assert len(tail) <= len(compute) // 4, tail
+    # the tensors kept for tails that can no longer be the check went as soon as they could
+    assert measured.held_bytes <= 0.3 * total, (measured.held_bytes, total)
+    assert all(t.is_meta for t in captured.gm.parameters())
+
+
 def test_held_tensors_share_a_tie_and_leave_the_graph_as_it_was() -> None:
     class Tied(nn.Module):
         def __init__(self) -> None:
