@@ -5,6 +5,7 @@ from configs, and the zoo's ``gpt``, each at batch 8 x 32 tokens.
     python benchmarks/predict_models.py --models llama,bert --rounds 2 --json out.json
     python benchmarks/predict_models.py --pythonpath ../before      # the code before a change
     python benchmarks/predict_models.py --models others             # GPT-2, GPT-NeoX, Phi, ..., Mixtral
+    python benchmarks/predict_models.py --models defaults           # Llama, BERT, T5 at the library's sizes
 
 For each model, in this order:
 
@@ -105,6 +106,20 @@ OTHER_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
                   "num_experts_per_tok": 2}),
 }
 HF_CONFIGS.update(OTHER_CONFIGS)
+#: The same three architectures as a user writes their configs in a line (``--models
+#: defaults``): depth, width and heads set, every other size the library's default (Llama:
+#: vocabulary 32000, intermediate 11008; BERT: 30522, 3072, dropout 0.1; T5: 32128, d_ff
+#: 2048, 8 heads of 64, dropout 0.1). The vocabulary and the feed-forward then outweigh the
+#: attention many times over, where the small configs above keep them alike.
+DEFAULT_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama_defaults": ("LlamaConfig", "LlamaForCausalLM",
+                       {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4}),
+    "bert_defaults": ("BertConfig", "BertForMaskedLM",
+                      {"hidden_size": 256, "num_hidden_layers": 4, "num_attention_heads": 4}),
+    "t5_defaults": ("T5Config", "T5ForConditionalGeneration",
+                    {"d_model": 256, "num_layers": 2, "num_decoder_layers": 2}),
+}
+HF_CONFIGS.update(DEFAULT_CONFIGS)
 GPT = ["--model", "gpt", "--option", "d_model=256", "--option", "layers=4", "--option", "heads=4",
        "--option", f"seq_len={SEQ}", "--option", "vocab=256"]
 DESCRIPTION = {
@@ -114,6 +129,9 @@ DESCRIPTION = {
     "gpt": "zoo gpt (d_model 256, 4 layers, 4 heads, vocab 256)",
     **{name: f"Hugging Face {model} ({'2 + 2 layers' if name == 'bart' else '4 layers'}, width 256, vocab 256)"
        for name, (_, model, _) in OTHER_CONFIGS.items()},
+    "llama_defaults": "Hugging Face Llama (4 layers, hidden 256, 4 heads; intermediate 11008, vocab 32000)",
+    "bert_defaults": "Hugging Face BERT masked LM (4 layers, hidden 256, 4 heads; intermediate 3072, vocab 30522)",
+    "t5_defaults": "Hugging Face T5 (2 + 2 layers, d_model 256; d_ff 2048, 8 heads, vocab 32128)",
 }
 
 
@@ -255,14 +273,15 @@ def fixed_table(results: dict[str, list[dict[str, Any]]]) -> str:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="llama,bert,t5,gpt",
-                    help=f"comma-separated: llama, bert, t5, gpt, {', '.join(OTHER_CONFIGS)}; 'others' for all of "
-                         f"the last")
+                    help=f"comma-separated: llama, bert, t5, gpt, {', '.join(OTHER_CONFIGS)}, "
+                         f"{', '.join(DEFAULT_CONFIGS)}; 'others' or 'defaults' for each group")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--candidates", action="store_true", help="also run every candidate the choice predicted")
     ap.add_argument("--json", default=None, help="write the figures here")
     ap.add_argument("--pythonpath", default=None, help="run this checkout's pipetrain instead (the code before)")
     args = ap.parse_args(argv)
-    names = [m for n in args.models.split(",") if n for m in (OTHER_CONFIGS if n == "others" else [n])]
+    groups = {"others": list(OTHER_CONFIGS), "defaults": list(DEFAULT_CONFIGS)}
+    names = [m for n in args.models.split(",") if n for m in groups.get(n, [n])]
     unknown = sorted(set(names) - set(DESCRIPTION))
     if unknown:
         ap.error(f"unknown model {unknown[0]!r}; choose from {', '.join(DESCRIPTION)}")

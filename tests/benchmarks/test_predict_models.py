@@ -43,3 +43,14 @@ def test_every_other_architecture_names_a_config_and_model_class_transformers_ha
         assert config.vocab_size == 256, name
         assert isinstance(getattr(transformers, model_cls), type), name
         assert name in predict_models.DESCRIPTION
+
+
+def test_the_defaults_group_leaves_every_size_but_depth_width_and_heads_to_the_library() -> None:
+    transformers = pytest.importorskip("transformers")
+    for name, (config_cls, model_cls, fields) in predict_models.DEFAULT_CONFIGS.items():
+        cls = getattr(transformers, config_cls)
+        config, default = cls(**fields), cls()
+        assert config.vocab_size == default.vocab_size >= 30000, name
+        assert not {"vocab_size", "intermediate_size", "d_ff"} & set(fields), name
+        assert isinstance(getattr(transformers, model_cls), type), name
+        assert name in predict_models.DESCRIPTION and name in predict_models.HF_CONFIGS
