@@ -22,7 +22,13 @@
    it has no backward (a stall may have landed in it: it runs once more and the faster of
    each counts); the segment before it is timed first.
 3. **The whole model** (the check, :mod:`~pipetrain.profile.step_check`): every node as one
-   segment, timed the same way under :data:`CHECK_BUDGET`. When the whole model's
+   segment, timed under :data:`CHECK_BUDGET` after one untimed run (unless ``warmup`` is 0),
+   however long, each run starting without parameter gradients. The node pass never held a
+   region this large at once: its first run grows the heap to the region's activations and
+   gradients, and a run accumulating into the last one's gradients allocates again, neither
+   of which a worker's steady step pays (a Hugging Face Llama with a 32000-token head,
+   batch 8 x 128: its whole graph 3.8 s the first run and the second, 2.95 s after, the
+   model's own warm step 2.9-3.2 s). When the whole model's
    activations exceed ``check_memory`` bytes (:data:`CHECK_MEMORY`), the check runs on the
    longest tail of the graph whose activations fit (:func:`check_start`), so it never
    holds more than that. When that region's forward + backward, as the pass measured it,
@@ -34,7 +40,7 @@
 
 So a profile costs about three forward + backward steps of the model, a few more for a small
 one (whose regions are repeated up to ``warmup + repeats`` times) and about one for a large
-one (each long node runs once, the check on a tail of ``check_seconds``).
+one (each long node runs once, the check twice on a tail of ``check_seconds``).
 
 Memory: a node's output is freed once every node that reads it has run and its segment is
 timed (the model's outputs are kept for the loss), each run's autograd graph goes with its
@@ -441,6 +447,12 @@ class _GraphPass:
         self.segments += 1
         self._done([n.name for n in nodes])
 
+    def _check_run(self, segment: Segment) -> tuple[float, float | None]:
+        """One run of the check's region, its parameters without gradients (module docstring, 3)."""
+        for p in self.params:
+            p.grad = None
+        return self._fresh_run(segment)
+
     def _fresh_run(self, segment: Segment) -> tuple[float, float | None]:
         self.fresh()  # a weightless graph's held weights: one gradient each at a time
         return segment.run(self.values.__getitem__)
@@ -510,10 +522,10 @@ class _GraphPass:
         self.checked = self.compute[self.starts[0][0]:]
         self._keep_starts(0, 0)
         region = Segment(self.gm, self.checked, self.clock)
-        budget = RepeatBudget(min(self.options.warmup, 1), self.options.repeats, CHECK_BUDGET, LONG_RUN)
+        budget = RepeatBudget(min(self.options.warmup, 1), self.options.repeats, CHECK_BUDGET, math.inf)
         estimate = math.fsum(sum(self.times.get(n.name, (0.0, 0.0))) for n in self.checked)
         try:
-            return _time_region(lambda: self._fresh_run(region), budget, estimate, self.cost)
+            return _time_region(lambda: self._check_run(region), budget, estimate, self.cost)
         finally:
             let_go(region.module, self.gm)
 

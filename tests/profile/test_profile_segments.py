@@ -116,6 +116,35 @@ def test_the_profile_records_the_measured_step_and_adds_up_to_its_segments() -> 
     assert all(n.forward_time > 0 and n.backward_time > 0 for n in prof.nodes if not n.is_input)
 
 
+def test_the_check_runs_its_region_once_untimed_each_run_without_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """However long the region, its first run (the heap grown to a region the node pass never
+    held) is not timed, and no run accumulates into the last one's gradients."""
+    from pipetrain.profile import measure, segments
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])
+    x = torch.randn(32, 64)
+    cm = capture(model, x)
+    runs: list[tuple[object, bool]] = []  # per run of a segment: it, and whether no parameter had a gradient
+    run = segments.Segment.run
+
+    def recording(self: segments.Segment, value_of: Any) -> Any:
+        runs.append((self, all(p.grad is None for p in cm.gm.parameters())))
+        return run(self, value_of)
+
+    def check_runs() -> list[bool]:  # the check's region is the last segment run
+        last = runs[-1][0]
+        return [fresh for segment, fresh in runs if segment is last]
+
+    monkeypatch.setattr(segments.Segment, "run", recording)
+    monkeypatch.setattr(measure, "LONG_RUN", 0.0)  # every region counts as long
+    profile_captured(cm, x, warmup=1, repeats=3, threads=1)
+    assert len(check_runs()) >= 2 and all(check_runs()), check_runs()
+    runs.clear()
+    profile_captured(cm, x, warmup=0, repeats=1, threads=1)  # no warm-up asked for: none
+    assert check_runs() == [True]
+
+
 def test_node_outputs_are_freed_once_read(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain of 40 layers: the profiler holds a few outputs at a time, not all 40."""
     live: list[int] = []
