@@ -249,6 +249,11 @@ class _Values:
         self.dead = []
 
 
+def _attributes_read(nodes: Sequence[torch.fx.Node]) -> set[str]:
+    """The names of the ``get_attr`` nodes (parameters, buffers) ``nodes`` read."""
+    return {a.name for n in nodes for a in n.all_input_nodes if a.op == "get_attr"}
+
+
 def _unconfirmed(f: float, b: float | None) -> bool:
     """Whether one run of a node does not vouch for itself: it has no backward to compare its
     forward with, or the two differ by more than :data:`STALL_RATIO` (a real layer's backward
@@ -406,7 +411,7 @@ class _GraphPass:
         if held.weightless:  # a tensor is held while its nodes run, and the check's until the check
             self.values.pinned -= {n.name for n in gm.graph.nodes if n.op == "get_attr"}
             held.pin(self.checked)
-        self.values.pinned |= {a.name for n in self.checked for a in n.all_input_nodes if a.op == "get_attr"}
+        self.values.pinned |= _attributes_read(self.checked)
         self.always = set(self.values.pinned)
         # where the check may start, longest tail first, and the seconds of each tail timed so far
         count = 1 if options.check_seconds is None else CHECK_STARTS
@@ -449,9 +454,14 @@ class _GraphPass:
 
     def _check_run(self, segment: Segment) -> tuple[float, float | None]:
         """One run of the check's region, its parameters without gradients (module docstring, 3)."""
+        self._drop_grads()
+        return segment.run(self.values.__getitem__)
+
+    def _drop_grads(self) -> None:
+        """Every parameter's gradient, held (a weightless graph's) or the graph's own."""
+        self.held.zero_grad()
         for p in self.params:
             p.grad = None
-        return self._fresh_run(segment)
 
     def _fresh_run(self, segment: Segment) -> tuple[float, float | None]:
         self.fresh()  # a weightless graph's held weights: one gradient each at a time
@@ -471,9 +481,7 @@ class _GraphPass:
             self._keep_starts(drop, len(self.starts) - 1)
         self.values.release()
         self.held.release()
-        self.held.zero_grad()
-        for p in self.params:
-            p.grad = None
+        self._drop_grads()
 
     def run(self, inputs: Sequence[Any], loss: Callable[[SavedBytes, Any], tuple[int, bool] | None] | None,
             progress: ProfileProgress) -> Measured:
@@ -507,8 +515,7 @@ class _GraphPass:
         if self.held.weightless and self.starts:  # the tensors only nodes before every tail left read
             first_node = self.starts[0][0]
             self.held.pin(self.compute[first_node:])
-            tail = {a.name for n in self.compute[first_node:] for a in n.all_input_nodes if a.op == "get_attr"}
-            before = {a.name for n in self.compute[:first_node] for a in n.all_input_nodes if a.op == "get_attr"}
+            before, tail = _attributes_read(self.compute[:first_node]), _attributes_read(self.compute[first_node:])
             gone = (before & self.always) - tail - kept
             self.always -= gone
             self.values.unpin(gone)
