@@ -13,13 +13,19 @@ timed on tensors of its weights' sizes.
 
 The measured counterpart is the run's steady-state time per minibatch
 (``batch / samples_per_second_steady``), the definition the simulator's
-``time_per_minibatch`` uses too. The orchestrator calls :func:`predict_run` after the last
-round (no tensor work between measured runs).
+``time_per_minibatch`` uses too. :class:`RoundPredictions` predicts every run right after it
+ran (the calibration measured again in every round), as ``auto`` predicts right before its
+run: a 2-core machine whose speed drifts 20-30% between rounds (a configuration's
+samples/s from round to round, 2026-12-07) moves a prediction made minutes away by as much.
+:func:`paired_error` compares the two as the benchmark's other ratios are compared: the
+median over rounds of each round's predicted / measured.
 """
 from __future__ import annotations
 
 import math
+import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -29,7 +35,8 @@ from bench_models import BenchModel
 class TimePredictor:
     """Profiles of one benchmark model per unit size, and predictions from them."""
 
-    def __init__(self, bm: BenchModel, seed: int = 0, repeats: int = 3) -> None:
+    def __init__(self, bm: BenchModel, seed: int = 0, repeats: int = 3,
+                 calibrations: dict[int, Any] | None = None) -> None:
         import torch
 
         from pipetrain.graph import capture
@@ -42,7 +49,8 @@ class TimePredictor:
         self.captured = capture(bm.model, self.inputs)
         self.profiles: dict[int, Any] = {}
         self.step_times: dict[tuple[str, ...], float] = {}
-        self.calibrations: dict[int, Any] = {}
+        #: ranks -> a loopback calibration (shared with other predictors; cleared to measure again)
+        self.calibrations: dict[int, Any] = {} if calibrations is None else calibrations
 
     def profile(self, samples: int) -> Any:
         """The profile of the model on units of ``samples`` samples (measured once)."""
@@ -138,6 +146,40 @@ class TimePredictor:
         sim = simulate(sched, costs)
         return {"time_per_minibatch_s": sim.time_per_minibatch, "bubble_fraction": sim.bubble_fraction,
                 "unit_samples": samples, "config": plan.config, "schedule": spec.name, "microbatches": m}
+
+
+class RoundPredictions:
+    """Every pipetrain run's prediction, made right after the run: one :class:`TimePredictor`
+    per model (built at its first prediction) and one loopback calibration per rank count and
+    round (:meth:`new_round` lets go of the last round's)."""
+
+    def __init__(self, build: Callable[[str], BenchModel], seed: int = 0, repeats: int = 3) -> None:
+        self.build = build
+        self.seed = seed
+        self.repeats = repeats
+        self.calibrations: dict[int, Any] = {}
+        self.predictors: dict[str, TimePredictor] = {}
+
+    def new_round(self) -> None:
+        """The next predictions measure their calibration again."""
+        self.calibrations.clear()
+
+    def predict(self, model: str, chosen: dict[str, Any], steps: int) -> dict[str, Any] | None:
+        """:meth:`TimePredictor.predict` for a run of ``model``."""
+        if model not in self.predictors:
+            self.predictors[model] = TimePredictor(self.build(model), self.seed, self.repeats, self.calibrations)
+        return self.predictors[model].predict(chosen, steps)
+
+    def close(self) -> None:
+        """Let go of every model and profile."""
+        self.predictors.clear()
+        self.calibrations.clear()
+
+
+def paired_error(predicted: Sequence[float | None], measured: Sequence[float | None]) -> float | None:
+    """``|median over rounds of predicted / measured - 1|``, over the rounds with both."""
+    ratios = [p / m for p, m in zip(predicted, measured) if p and m]
+    return abs(statistics.median(ratios) - 1.0) if ratios else None
 
 
 def measured_time(extra: dict[str, Any], samples_per_second: float | None, batch: int) -> float | None:

@@ -23,7 +23,7 @@ Configurations (per model; ``m`` = microbatches, default 2, 4, 8):
   torch_1f1b_m{m}        torch.distributed.pipelining Schedule1F1B, 2 stages
   ddp                    DistributedDataParallel, 2 processes, half the batch each
   pipetrain_dp           pipetrain's data parallelism (--schedule dp --config 2, m=2)
-  pipetrain_auto         pipetrain train --workers 2 with nothing else: the planner's choice
+  pipetrain_auto         pipetrain train --workers 2 --schedule auto: the planner's choice
   pipetrain_pipedream    pipetrain 1F1B + weight stashing, 2 workers (config 1-1)
   pipetrain_2bw_m{m}, pipetrain_flush_m{m}, pipetrain_gpipe_m{m}, pipetrain_zerobubble_m{m}
                          pipetrain, 2 workers
@@ -44,16 +44,15 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from baselines import pipetrain_cli
 from bench_models import BATCH_SIZES, balanced_cuts, build_bench_model, child_times, split_point
-from headline import headline_fields, memory_error, paired_ratio, relative_error
+from headline import headline_fields, memory_error, paired_ratio
 from predict_memory import measured_tensor_peak
-from predict_time import cli_prediction, measured_time
+from predict_time import RoundPredictions, cli_prediction, measured_time, paired_error
 from processes import free_port, run_group
 from rss import release_memory
 from timing import Measurement, median_or_none
@@ -240,15 +239,16 @@ def _predictions(cfg: Config, ms: list[Measurement], facts: ModelFacts,
                  measured_mib: list[float] | None) -> dict[str, Any]:
     """A pipetrain configuration's predicted and measured time per minibatch and memory."""
     ok = [m for m in ms if m.status == "ok"]
-    times = [measured_time(m.extra, m.samples_per_second, facts.report["batch_size"]) for m in ok]
+    batch = facts.report["batch_size"]
+    times = [measured_time(m.extra, m.samples_per_second, batch) if m.status == "ok" else None for m in ms]
     measured = median_or_none([t for t in times if t])
-    sim = facts.time_predicted.get(cfg.name)
-    predicted = sim["time_per_minibatch_s"] if sim else None
+    # Each round's prediction was made right after that round's run (predict_round): the
+    # error is the median of the rounds' predicted / measured, as the other ratios are paired.
+    sims = facts.time_predicted.get(cfg.name, [])
+    rounds = [s["time_per_minibatch_s"] if s else None for s in sims]
+    predicted = median_or_none([p for p in rounds if p])
+    sim = next((s for s in reversed(sims) if s), None)
     source = sim.get("source", "benchmark simulator (measured profile at the unit size)") if sim else None
-    if cfg.schedule == AUTO and ok:  # the planner's own figure, when the CLI reports one
-        own = cli_prediction(ok[-1].extra)
-        if own is not None:
-            predicted, source = own, "pipetrain train --json"
     # Memory (docs/performance.md, "Memory"): the tensor peak each worker measured
     # (``tensor_peak_mib`` of pipetrain's --json) against predict_memory.py's prediction of the
     # same accounting for the run's own plan and schedule. Runs without a tensor peak
@@ -271,7 +271,8 @@ def _predictions(cfg: Config, ms: list[Measurement], facts: ModelFacts,
             mem_meas, mem_src = [p - b for p, b in zip(m.peak_rss_mib, base)], "peak RSS above post-import RSS"
             break
     return {"predicted_time_per_minibatch_s": predicted, "measured_time_per_minibatch_s": measured,
-            "prediction_error": relative_error(predicted, measured), "prediction_source": source,
+            "predicted_time_per_minibatch_s_rounds": rounds, "measured_time_per_minibatch_s_rounds": times,
+            "prediction_error": paired_error(rounds, times), "prediction_source": source,
             "simulation": sim, "memory_predicted_mib_per_worker": mem_pred,
             "memory_measured_mib_per_worker": mem_meas, "memory_measured_source": mem_src,
             "memory_predicted_source": pred_src,
@@ -438,7 +439,8 @@ class ModelFacts:
     predicted: dict[str, list[float] | None]  # config -> simulator's peak MiB per worker
     report: dict[str, Any]  # the "model" entry of the JSON report
     cut_names: dict[int, list[str]] = field(default_factory=dict)  # worker count -> pipetrain --cut names
-    time_predicted: dict[str, dict[str, Any]] = field(default_factory=dict)  # config -> simulator's figures
+    # config -> each round's prediction (None where it has none), made right after that round's run
+    time_predicted: dict[str, list[dict[str, Any] | None]] = field(default_factory=dict)
     memory_predicted: dict[str, list[float]] = field(default_factory=dict)   # config -> tensor peak MiB per worker
     memory_runs: dict[str, Measurement] = field(default_factory=dict)  # config -> its --measure-memory run
 
@@ -487,41 +489,59 @@ def measure_memory_runs(model: str, cfgs: list[Config], runs: dict[str, list[Mea
         log(f"[memory] {model:<4}{cfg.name:<26}{what}   ({time.monotonic() - t:.1f} s)")
 
 
-def predict_runs(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
-                 args: argparse.Namespace) -> None:
-    """After the last round, for every pipetrain run: the simulator's time per minibatch, from a
-    profile measured here at the run's unit size (predict_time.py), and the tensor peak per
-    worker, predicted from a profile of the model with what autograd saves (predict_memory.py),
-    for the run's own plan and schedule. A failed prediction is logged, never loses the measurements."""
+def predict_round(model: str, cfg: Config, m: Measurement, facts: ModelFacts, predictions: RoundPredictions,
+                  args: argparse.Namespace) -> str:
+    """Right after a pipetrain run: its time per minibatch as predicted now, appended to
+    ``facts.time_predicted`` (one entry per run, ``None`` for none). ``auto``'s is the figure
+    its own launcher printed (``pipetrain train --json``), made right before it trained; any
+    other run's, its plan and schedule rehearsed here (predict_time.py). A failed prediction
+    is logged, never loses the measurement. Returns what to log."""
+    got: dict[str, Any] | None = None
+    chosen = m.extra.get("chosen") if m.status == "ok" else None
+    t = time.monotonic()
+    own = cli_prediction(m.extra) if cfg.schedule == AUTO and chosen else None
+    if own is not None:
+        got = {"time_per_minibatch_s": own, "source": "pipetrain train --json"}
+    elif chosen:
+        try:
+            got = predictions.predict(model, dict(chosen), args.steps_for[model])
+        except Exception as e:  # noqa: BLE001 - a prediction failure must not lose the measurement
+            log(f"{model} {cfg.name}: no time prediction ({type(e).__name__}: {e})")
+    facts.time_predicted.setdefault(cfg.name, []).append(got)
+    measured = measured_time(m.extra, m.samples_per_second, BATCH_SIZES[model]) if m.status == "ok" else None
+    if got is None or not measured:
+        return ""
+    p = got["time_per_minibatch_s"]
+    return (f"; predicted {p * 1e3:.1f} ms, measured {measured * 1e3:.1f} ({p / measured - 1:+.0%};"
+            f" {time.monotonic() - t:.1f} s)")
+
+
+def predict_memory_runs(model: str, cfgs: list[Config], runs: dict[str, list[Measurement]], facts: ModelFacts,
+                        args: argparse.Namespace) -> None:
+    """After the last round, for every pipetrain run: the tensor peak per worker, predicted from
+    a profile of the model with what autograd saves (predict_memory.py), for the run's own
+    plan and schedule. A failed prediction is logged, never loses the measurements."""
     from headline import chosen_of
     from predict_memory import MemoryPredictor
-    from predict_time import TimePredictor
 
-    predictors: list[tuple[str, Callable[[], Any], dict[str, Any]]] = [
-        ("time", lambda: TimePredictor(build_bench_model(model, seed=args.seed), args.seed,
-                                       repeats=1 if args.quick else 3), facts.time_predicted),
-        ("memory", lambda: MemoryPredictor(build_bench_model(model, seed=args.seed), args.seed),
-         facts.memory_predicted),
-    ]
-    for what, make, predicted in predictors:
-        try:
-            predictor = make()
-        except Exception as e:  # noqa: BLE001 - a prediction failure must not lose the measurements
-            log(f"{model}: no {what} predictions ({type(e).__name__}: {e})")
+    try:
+        predictor = MemoryPredictor(build_bench_model(model, seed=args.seed), args.seed)
+    except Exception as e:  # noqa: BLE001 - a prediction failure must not lose the measurements
+        log(f"{model}: no memory predictions ({type(e).__name__}: {e})")
+        return
+    for cfg in cfgs:
+        if cfg.kind != "pipetrain":
             continue
-        for cfg in cfgs:
-            if cfg.kind != "pipetrain":
-                continue
-            chosen = chosen_of(runs.get(cfg.name, []))
-            try:
-                got = predictor.predict(chosen, args.steps_for[model]) if chosen else None
-            except Exception as e:  # noqa: BLE001
-                log(f"{model} {cfg.name}: no {what} prediction ({type(e).__name__}: {e})")
-                got = None
-            if got is not None:
-                predicted[cfg.name] = got
-        del predictor
-        release_memory()
+        chosen = chosen_of(runs.get(cfg.name, []))
+        try:
+            got = predictor.predict(chosen, args.steps_for[model]) if chosen else None
+        except Exception as e:  # noqa: BLE001
+            log(f"{model} {cfg.name}: no memory prediction ({type(e).__name__}: {e})")
+            got = None
+        if got is not None:
+            facts.memory_predicted[cfg.name] = got
+    del predictor
+    release_memory()
 
 
 def prepare_model(model: str, cfgs: list[Config], args: argparse.Namespace) -> ModelFacts:
@@ -579,7 +599,10 @@ def main(argv: list[str]) -> int:
     cfgs = select_configs(args)
     facts = {m: prepare_model(m, cfgs, args) for m in args.models}
     runs: dict[str, dict[str, list[Measurement]]] = {m: {} for m in args.models}
+    predictions = RoundPredictions(lambda name: build_bench_model(name, seed=args.seed), args.seed,
+                                   repeats=1 if args.quick else 3)
     for rnd in range(args.rounds):
+        predictions.new_round()
         for model in args.models:
             k = rnd % len(cfgs)
             for cfg in cfgs[k:] + cfgs[:k]:  # rotate: no configuration always runs first
@@ -587,14 +610,18 @@ def main(argv: list[str]) -> int:
                 m = measure(cfg, model, facts[model], args)
                 m.extra["run_wall_s"] = time.monotonic() - t  # launch to exit, startup included
                 runs[model].setdefault(cfg.name, []).append(m)
+                predicted = predict_round(model, cfg, m, facts[model], predictions, args) \
+                    if cfg.kind == "pipetrain" else ""
                 log(f"[round {rnd + 1}/{args.rounds}] {model:<4}{cfg.name:<26}"
                     + (f"{m.samples_per_second:9.1f} samples/s" if m.samples_per_second
-                       else f"{m.status}: {m.error}") + f"   ({m.extra['run_wall_s']:.1f} s)")
+                       else f"{m.status}: {m.error}") + f"   ({m.extra['run_wall_s']:.1f} s){predicted}")
+    predictions.close()
+    release_memory()
     for model in args.models:
         measure_memory_runs(model, cfgs, runs[model], facts[model], args)
     for model in args.models:
-        log(f"{model}: predicting the time per minibatch and the tensor memory of every pipetrain run")
-        predict_runs(model, cfgs, runs[model], facts[model], args)
+        log(f"{model}: predicting the tensor memory of every pipetrain run")
+        predict_memory_runs(model, cfgs, runs[model], facts[model], args)
     report: dict[str, Any] = {
         m: summarise(m, runs[m], cfgs, args.microbatches, facts[m])
         for m in args.models}
