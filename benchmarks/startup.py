@@ -11,7 +11,7 @@ table gives medians and each worker count's ratio to one worker of the same chec
     python benchmarks/startup.py --schedule auto              # the automatic choice (its cache warm)
 
 Multi-worker runs name ``--config 1-1...`` and ``--schedule flush`` (``--schedule auto``:
-neither, so the launcher chooses; one warm-up run first fills the measurement cache).
+that alone, so the launcher chooses; one warm-up run first fills the measurement cache).
 """
 from __future__ import annotations
 
@@ -27,8 +27,9 @@ from stage_memory import measure
 def command(model: str, workers: int, schedule: str) -> list[str]:
     cmd = [sys.executable, "-m", "pipetrain", "train", "--model", model, "--workers", str(workers), "--steps", "1",
            "--log-every", "1"]
-    if workers > 1 and schedule != "auto":
-        cmd += ["--config", "-".join(["1"] * workers), "--schedule", schedule]
+    if workers > 1:  # auto named: a 1-step run that names no schedule is not left to the planner
+        cmd += ["--schedule", "auto"] if schedule == "auto" else ["--config", "-".join(["1"] * workers),
+                                                                  "--schedule", schedule]
     return cmd
 
 

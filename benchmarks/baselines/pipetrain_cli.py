@@ -53,12 +53,13 @@ def command(cli: str, model_spec: str, schedule: str | None, workers: int, confi
             batch_size: int, microbatches: int, steps: int, warmup: int, seed: int,
             timeout_s: float | None = None, cut: list[str] | None = None, measure_memory: bool = False,
             plan: str | None = None) -> list[str]:
-    """The ``pipetrain train`` command line of one configuration (``schedule`` None: ``auto``,
-    the planner's choice: no schedule, microbatches, config or cut given). ``measure_memory``:
-    the tensor ledger (a separate run; it slows the timed ones); ``plan``: a plan file."""
+    """The ``pipetrain train`` command line of one configuration (``schedule`` None: the
+    planner's choice, ``--schedule auto`` and no microbatches, config or cut: a run shorter
+    than the default length that names no schedule would train a straight pipeline).
+    ``measure_memory``: the tensor ledger (a separate run; it slows the timed ones); ``plan``:
+    a plan file."""
     cmd = [cli, "train", "--model", model_spec, "--workers", str(workers), "--batch-size", str(batch_size)]
-    if schedule is not None:
-        cmd += ["--schedule", schedule, "--microbatches", str(microbatches)]
+    cmd += ["--schedule", "auto"] if schedule is None else ["--schedule", schedule, "--microbatches", str(microbatches)]
     cmd += ["--steps", str(steps), "--warmup-steps", str(warmup),
             "--seed", str(seed), "--log-every", "0", "--threads", "1", "--json"]
     if measure_memory:

@@ -259,7 +259,7 @@ class ParallelSection:
     schedule: str = setting(DEFAULT_SCHEDULE, f"the pipeline schedule, one of {', '.join(sorted(SCHEDULE_NAMES))}, "
                                               f"or {AUTO}: the planner chooses the schedule, microbatches and stages "
                                               f"(the default of `pipetrain train` on local workers without "
-                                              f"--plan/--config/--cut)")
+                                              f"--plan/--config/--cut, on runs of {DEFAULT_STEPS} steps or more)")
     #: ``--schedule auto`` (set by it; ``schedule`` then holds the default until the run is
     #: resolved, when pipetrain.auto.choose's choice replaces both)
     auto: bool = setting(False, "the planner chooses the schedule and microbatches (--schedule auto)", flag=None)

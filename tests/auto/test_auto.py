@@ -198,6 +198,32 @@ def test_the_train_command_leaves_the_schedule_open_only_when_nothing_fixes_it()
     assert not config_from_args(p.parse_args(["--workers", "2"])).parallel.auto
 
 
+def test_a_short_run_that_names_nothing_trains_a_straight_pipeline_without_measuring() -> None:
+    from pipetrain.cli.train_cmd import CHOSEN_FROM_STEPS, add_config_arguments, config_from_args, short_run_note
+    from pipetrain.job.config import DEFAULT_SCHEDULE
+
+    p = argparse.ArgumentParser()
+    add_config_arguments(p)
+
+    def cfg(*argv: str) -> TrainConfig:
+        return config_from_args(p.parse_args(list(argv)), open_schedule=True)
+
+    short = str(CHOSEN_FROM_STEPS - 1)
+    smoke = cfg("--workers", "4", "--steps", short)
+    assert not smoke.parallel.auto and smoke.parallel.config == "1-1-1-1"
+    assert smoke.parallel.schedule == DEFAULT_SCHEDULE
+    note = short_run_note(p.parse_args(["--workers", "4", "--steps", short]))
+    assert note is not None and f"{DEFAULT_SCHEDULE} on 4 stages split by estimated compute" in note
+    assert "--schedule auto chooses on measurements" in note
+    assert cfg("--workers", "4", "--steps", str(CHOSEN_FROM_STEPS)).parallel.auto   # long enough to choose
+    assert cfg("--workers", "4").parallel.auto                                       # the default length
+    assert cfg("--workers", "4", "--epochs", "1").parallel.auto
+    assert cfg("--workers", "4", "--steps", short, "--schedule", "auto").parallel.auto  # asked for: chosen
+    flush = cfg("--workers", "4", "--steps", short, "--schedule", "flush")
+    assert flush.parallel.config is None and not flush.parallel.auto               # the user's words stand
+    assert short_run_note(p.parse_args(["--workers", "4", "--steps", short, "--schedule", "auto"])) is None
+
+
 def test_a_run_with_schedule_auto_trains_the_choice_and_reports_it(tmp_path: Path) -> None:
     cal = tmp_path / "cal.json"
     cal.write_text(json.dumps(make_cal(1000 * MBIT).to_dict()))
