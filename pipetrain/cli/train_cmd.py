@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 import traceback
@@ -76,7 +75,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 #: first: on a machine's first run a 4-worker MLP's choice took 18-21 s of its 23 s, against
 #: 3.8 s for the whole run on one worker (2026-12-07), which a shorter run (a smoke test,
 #: ``--steps 1``) cannot win back. A shorter run trains the default schedule on a straight
-#: pipeline split by estimated compute, measuring nothing; ``--schedule auto`` chooses anyway.
+#: pipeline split by estimated compute, measuring nothing (``ParallelConfig.auto_from_steps``);
+#: ``--schedule auto`` chooses anyway.
 CHOSEN_FROM_STEPS = DEFAULT_STEPS
 
 
@@ -94,10 +94,7 @@ def config_from_args(args: argparse.Namespace, open_schedule: bool = False) -> T
             f"give --steps or --epochs, not both (got --steps {values['steps']} and --epochs {values['epochs']}): "
             f"--epochs sets the steps to epochs * (train samples // batch size)")
     if open_schedule and _schedule_open(values):
-        if _short(values):
-            values["config"] = "-".join(["1"] * int(values["workers"]))
-        else:
-            values["schedule"] = AUTO
+        values.update(schedule=AUTO, auto_from_steps=CHOSEN_FROM_STEPS)
     return TrainConfig.of(**values)
 
 
@@ -111,24 +108,6 @@ def _given(args: argparse.Namespace) -> dict[str, Any]:
             value = getattr(args, fl.key)
             values[fl.key] = fl.convert(value) if fl.convert is not None else value
     return values
-
-
-def _short(values: dict[str, Any]) -> bool:
-    """A run shorter than :data:`CHOSEN_FROM_STEPS` minibatches (``--steps`` given, no ``--epochs``)."""
-    steps = values.get("steps")
-    return steps is not None and "epochs" not in values and int(steps) < CHOSEN_FROM_STEPS
-
-
-def short_run_note(args: argparse.Namespace) -> str | None:
-    """What ``pipetrain train`` did with a schedule left open on a short run (:data:`CHOSEN_FROM_STEPS`),
-    or ``None``."""
-    values = _given(args)
-    if not (_schedule_open(values) and _short(values)):
-        return None
-    steps, workers = int(values["steps"]), int(values["workers"])
-    return (f"a run of {steps} step{'s' if steps != 1 else ''} (fewer than {CHOSEN_FROM_STEPS}) that names no "
-            f"schedule or stages: {TrainConfig.of().parallel.schedule} on {workers} stages split by estimated "
-            f"compute, nothing measured; --schedule auto chooses on measurements")
 
 
 def _schedule_open(values: dict[str, Any]) -> bool:
@@ -198,9 +177,6 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, open_schedule=True)
     if not cfg.output.quiet:
         setup_logging(cfg.output.progress_to_stderr)
-        note = short_run_note(args)
-        if note is not None:
-            logging.getLogger("pipetrain").info("%s", note)
     try:
         result = train(cfg)
     except BaseException as e:  # noqa: BLE001 - one line and an exit code for every failure

@@ -263,6 +263,10 @@ class ParallelSection:
     #: ``--schedule auto`` (set by it; ``schedule`` then holds the default until the run is
     #: resolved, when pipetrain.auto.choose's choice replaces both)
     auto: bool = setting(False, "the planner chooses the schedule and microbatches (--schedule auto)", flag=None)
+    #: ``auto`` chooses on measurements only for a run of at least this many steps; a shorter
+    #: run trains the default schedule on a straight pipeline split by estimated compute,
+    #: measuring nothing (``pipetrain train`` sets it when it leaves the schedule open; 0: always)
+    auto_from_steps: int = setting(0, "the fewest steps for which auto measures before choosing", flag=None)
     microbatches: int | None = setting(None, "units per minibatch (default: the schedule's: 1 for pipedream, else "
                                              "the pipeline depth, at least the largest replica count)", type=int)
     vertical_sync: bool = setting(False, "pipedream: vertical sync of weight versions", kind="true",

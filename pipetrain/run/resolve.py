@@ -115,6 +115,13 @@ def _check_workers(cfg: TrainConfig, workers: int) -> None:
             f"or change the {'config' if par.config is not None else 'plan'}")
 
 
+def _too_short_to_choose(cfg: TrainConfig) -> bool:
+    """A run shorter than ``auto_from_steps`` (``pipetrain train`` with the schedule left open):
+    the choice measures for longer than such a run trains (pipetrain.cli.train_cmd.CHOSEN_FROM_STEPS)."""
+    steps = cfg.training.steps
+    return steps is not None and steps < cfg.parallel.auto_from_steps
+
+
 def _layout_replicas(cfg: TrainConfig, workers: int) -> list[int] | None:
     """Replicas per model stage, when the configuration or the schedule's layout fixes them;
     ``None`` when the planner chooses."""
@@ -573,6 +580,14 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     cfg = cfg.replace(bucket_mb=bucket_mb(cfg, workers, world))
     batch = resolve_batch_size(cfg)
     auto = None
+    straight = par.auto and workers > 1 and _too_short_to_choose(cfg)
+    if straight:  # the default schedule on a straight pipeline, nothing measured
+        cfg = cfg.replace(auto=False)
+        par = cfg.parallel
+        log.info("plan: a run of %d step%s (fewer than %d) that names no schedule or stages: %s on %d stages split "
+                 "by estimated compute, nothing measured; --schedule auto chooses on measurements",
+                 cfg.training.steps, "" if cfg.training.steps == 1 else "s", par.auto_from_steps, par.schedule,
+                 workers)
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
         whole = _load_captured(cfg, batch)
         _check_layers(cfg, workers, whole[1])  # before measuring
@@ -593,6 +608,8 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
         run.check()
         return run, bundle
     replicas = _layout_replicas(cfg, workers)
+    if replicas is None and straight:
+        replicas = [1] * workers
     m = _microbatches(cfg, replicas if replicas is not None else [1] * workers)
     _check_divides(batch, m)
     if replicas is not None:

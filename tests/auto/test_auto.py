@@ -198,30 +198,39 @@ def test_the_train_command_leaves_the_schedule_open_only_when_nothing_fixes_it()
     assert not config_from_args(p.parse_args(["--workers", "2"])).parallel.auto
 
 
-def test_a_short_run_that_names_nothing_trains_a_straight_pipeline_without_measuring() -> None:
-    from pipetrain.cli.train_cmd import CHOSEN_FROM_STEPS, add_config_arguments, config_from_args, short_run_note
+def test_a_short_run_that_names_nothing_trains_a_straight_pipeline_without_measuring(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    import pipetrain.auto.choose as choose_module
+    import pipetrain.auto.quick as quick_module
+    from pipetrain.cli.train_cmd import CHOSEN_FROM_STEPS, add_config_arguments, config_from_args
     from pipetrain.job.config import DEFAULT_SCHEDULE
+    from pipetrain.run.resolve import resolve_run
 
     p = argparse.ArgumentParser()
     add_config_arguments(p)
 
     def cfg(*argv: str) -> TrainConfig:
-        return config_from_args(p.parse_args(list(argv)), open_schedule=True)
+        return config_from_args(p.parse_args(["--model", "mlp", "--batch-size", "16", *argv]), open_schedule=True)
 
+    def measured(*a: Any, **k: Any) -> Any:
+        raise AssertionError("a run this short measured before it trained")
+
+    monkeypatch.setattr(choose_module, "choose", measured)
+    monkeypatch.setattr(quick_module, "quick_plan", measured)
     short = str(CHOSEN_FROM_STEPS - 1)
     smoke = cfg("--workers", "4", "--steps", short)
-    assert not smoke.parallel.auto and smoke.parallel.config == "1-1-1-1"
-    assert smoke.parallel.schedule == DEFAULT_SCHEDULE
-    note = short_run_note(p.parse_args(["--workers", "4", "--steps", short]))
-    assert note is not None and f"{DEFAULT_SCHEDULE} on 4 stages split by estimated compute" in note
-    assert "--schedule auto chooses on measurements" in note
-    assert cfg("--workers", "4", "--steps", str(CHOSEN_FROM_STEPS)).parallel.auto   # long enough to choose
-    assert cfg("--workers", "4").parallel.auto                                       # the default length
-    assert cfg("--workers", "4", "--epochs", "1").parallel.auto
-    assert cfg("--workers", "4", "--steps", short, "--schedule", "auto").parallel.auto  # asked for: chosen
-    flush = cfg("--workers", "4", "--steps", short, "--schedule", "flush")
-    assert flush.parallel.config is None and not flush.parallel.auto               # the user's words stand
-    assert short_run_note(p.parse_args(["--workers", "4", "--steps", short, "--schedule", "auto"])) is None
+    assert smoke.parallel.auto and smoke.parallel.auto_from_steps == CHOSEN_FROM_STEPS
+    with caplog.at_level("INFO", logger="pipetrain"):
+        run = resolve_run(smoke)
+    assert run.plan is not None and run.plan.replicas == [1, 1, 1, 1]
+    assert run.config.parallel.schedule == DEFAULT_SCHEDULE and not run.config.parallel.auto
+    assert "split by estimated compute" in run.plan_note
+    assert f"{DEFAULT_SCHEDULE} on 4 stages split by estimated compute, nothing measured" in caplog.text
+    # long enough to choose, or asked for: the choice measures (the stand-in above says so)
+    for argv in (("--steps", str(CHOSEN_FROM_STEPS)), ("--steps", short, "--schedule", "auto"), ()):
+        with pytest.raises(AssertionError, match="measured before it trained"):
+            resolve_run(cfg("--workers", "4", *argv))
+    assert TrainConfig.of(schedule="auto", workers=4).parallel.auto_from_steps == 0  # the API always chooses
 
 
 def test_a_run_with_schedule_auto_trains_the_choice_and_reports_it(tmp_path: Path) -> None:

@@ -32,7 +32,8 @@ def test_configurations_include_dp_auto_zerobubble_and_unit_ceilings() -> None:
 
 def test_auto_command_leaves_every_choice_open() -> None:
     cmd = pipetrain_cli.command("pipetrain", "gpt", None, 2, None, 16, 0, 5, 3, 0, 60.0, None)
-    for flag in ("--schedule", "--microbatches", "--config", "--cut", "--plan"):
+    assert cmd[cmd.index("--schedule") + 1] == "auto"  # named: a short run that names none is not chosen
+    for flag in ("--microbatches", "--config", "--cut", "--plan"):
         assert flag not in cmd
     assert cmd[cmd.index("--workers") + 1] == "2"
     fixed = pipetrain_cli.command("pipetrain", "gpt", "flush", 2, "1-1", 16, 4, 5, 3, 0, 60.0, ["blocks.4"])
