@@ -122,6 +122,16 @@ def _too_short_to_choose(cfg: TrainConfig) -> bool:
     return steps is not None and steps < cfg.parallel.auto_from_steps
 
 
+def _unchosen(cfg: TrainConfig, workers: int) -> TrainConfig:
+    """A run :func:`_too_short_to_choose`: its default schedule, no choice (the caller lays a
+    straight pipeline of ``workers`` stages), said in one line."""
+    steps, par = cfg.training.steps, cfg.parallel
+    log.info("plan: a run of %d step%s (fewer than %d) that names no schedule or stages: %s on %d stages split by "
+             "estimated compute, nothing measured; --schedule auto chooses on measurements",
+             steps, "" if steps == 1 else "s", par.auto_from_steps, par.schedule, workers)
+    return cfg.replace(auto=False)
+
+
 def _layout_replicas(cfg: TrainConfig, workers: int) -> list[int] | None:
     """Replicas per model stage, when the configuration or the schedule's layout fixes them;
     ``None`` when the planner chooses."""
@@ -582,12 +592,8 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     auto = None
     straight = par.auto and workers > 1 and _too_short_to_choose(cfg)
     if straight:  # the default schedule on a straight pipeline, nothing measured
-        cfg = cfg.replace(auto=False)
+        cfg = _unchosen(cfg, workers)
         par = cfg.parallel
-        log.info("plan: a run of %d step%s (fewer than %d) that names no schedule or stages: %s on %d stages split "
-                 "by estimated compute, nothing measured; --schedule auto chooses on measurements",
-                 cfg.training.steps, "" if cfg.training.steps == 1 else "s", par.auto_from_steps, par.schedule,
-                 workers)
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
         whole = _load_captured(cfg, batch)
         _check_layers(cfg, workers, whole[1])  # before measuring
