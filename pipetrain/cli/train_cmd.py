@@ -190,10 +190,11 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(out, default=str))
         return 0
     loss = result.final_loss
-    print(f"trained {result.steps} steps of {cfg.model.name} on {result.workers} worker(s): schedule "
+    steps = f"{result.steps} step{'' if result.steps == 1 else 's'}"
+    print(f"trained {steps} of {cfg.model.name} on {result.workers} worker(s): schedule "
           f"{result.schedule}, config {result.config}, batch {result.batch_size} ({result.microbatches} units); "
           f"final loss {loss:.6f}; {result.samples_per_second:.1f} samples/s"
-          if loss is not None else f"trained {result.steps} steps")
+          if loss is not None else f"trained {steps}")
     print(f"plan: {result.plan_source}")
     if result.saved:
         print(f"saved {result.saved} (and {result.saved}.trainer)")

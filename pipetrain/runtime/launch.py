@@ -130,7 +130,7 @@ def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0, max_restar
     start_server()  # forked workers (process/forkserver.py): no import of torch each
     try:
         with _quiet_launcher():
-            out = elastic_launch(lc, forked_entry)(worker_main, dict(os.environ), StdStreams(), list(runs),
+            out = elastic_launch(lc, forked_entry)(worker_main, dict(os.environ), StdStreams(), os.getpid(), list(runs),
                                                    ("127.0.0.1", int(store.port)))
     except SignalException as e:  # the agent stopped the workers and waited for them
         raise RunInterrupted(int(e.sigval)) from None

@@ -89,10 +89,15 @@ def _adopt_streams(out: Any, err: Any) -> None:
             os.close(got)
 
 
-def forked_entry(entry: Callable[..., Any], launcher: Mapping[str, str], streams: Any, *args: Any) -> Any:
+def forked_entry(entry: Callable[..., Any], launcher: Mapping[str, str], streams: Any, launcher_pid: int,
+                 *args: Any) -> Any:
     """A worker's entry point: the launcher's environment first (``streams``, the unpickled
-    :class:`StdStreams`, has already made its descriptors the worker's), then ``entry(*args)``."""
+    :class:`StdStreams`, has already made its descriptors the worker's), a watch that ends this
+    worker when the launcher ``launcher_pid`` has ended (:mod:`.orphans`), then ``entry(*args)``."""
+    from .orphans import exit_with_launcher
+
     worker_environment(launcher)
+    exit_with_launcher(launcher_pid)
     return entry(*args)
 
 
