@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from pipetrain.runtime.process.orphans import POLL_SECONDS, exit_with_launcher, process_alive
+from pipetrain.runtime.process.orphans import POLL_SECONDS, process_alive
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -94,4 +94,3 @@ def test_the_watch_ends_its_process_once_the_watched_one_has_ended() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 129 and "is gone" in done.stderr
     assert time.monotonic() - start < 30 + POLL_SECONDS
-    assert exit_with_launcher is not None

@@ -24,6 +24,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from .orphans import exit_with_launcher
+
 __all__ = ["PRELOAD", "SERVER_ENV", "StdStreams", "forked_entry", "reopen_closed_std_fds", "start_method",
            "start_server", "wants_local_workers", "worker_environment"]
 
@@ -94,8 +96,6 @@ def forked_entry(entry: Callable[..., Any], launcher: Mapping[str, str], streams
     """A worker's entry point: the launcher's environment first (``streams``, the unpickled
     :class:`StdStreams`, has already made its descriptors the worker's), a watch that ends this
     worker when the launcher ``launcher_pid`` has ended (:mod:`.orphans`), then ``entry(*args)``."""
-    from .orphans import exit_with_launcher
-
     worker_environment(launcher)
     exit_with_launcher(launcher_pid)
     return entry(*args)

@@ -30,9 +30,7 @@ def process_alive(pid: int) -> bool:
     """Whether ``pid`` is a running process (a zombie, killed and not yet reaped, is not)."""
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process holds the number: ours is gone
+    except (ProcessLookupError, PermissionError):  # gone, or the number is another user's now
         return False
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
