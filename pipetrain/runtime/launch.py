@@ -28,7 +28,7 @@ from typing import Any
 from ..errors import RuntimeConfigError
 from ..job.resolved import ResolvedRun
 from ..job.result import RunResult
-from .process.failures import FailureBoard, WorkerFailure
+from .process.failures import BoardAddress, FailureBoard, WorkerFailure
 from .process.forkserver import StdStreams, forked_entry, reopen_closed_std_fds, start_method, start_server
 from .process.peers import killed_rank
 from .process.signals import STOP_SIGNALS, RunInterrupted, interrupted_exit
@@ -131,7 +131,7 @@ def launch_local(runs: Sequence[ResolvedRun], timeout: float = 120.0, max_restar
     try:
         with _quiet_launcher():
             out = elastic_launch(lc, forked_entry)(worker_main, dict(os.environ), StdStreams(), os.getpid(), list(runs),
-                                                   ("127.0.0.1", int(store.port)))
+                                                   BoardAddress("127.0.0.1", int(store.port), os.getpid()))
     except SignalException as e:  # the agent stopped the workers and waited for them
         raise RunInterrupted(int(e.sigval)) from None
     except KeyboardInterrupt:  # Ctrl-C before the agent took the signal: it stops the workers on its way out

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from pipetrain.runtime.process.failures import FailureBoard, FailureRecord
 from pipetrain.runtime.process.orphans import POLL_SECONDS, process_alive
 
 pytestmark = pytest.mark.timeout(120)
@@ -94,3 +95,42 @@ def test_the_watch_ends_its_process_once_the_watched_one_has_ended() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 129 and "is gone" in done.stderr
     assert time.monotonic() - start < 30 + POLL_SECONDS
+
+
+def test_a_worker_failing_after_its_launcher_ended_exits_as_the_watch_does() -> None:
+    # The race the end-to-end test met on CI: the watch ended one worker first; the other's
+    # transfers broke before its own watch looked, and it reported a failure (with torch's C++
+    # stack from the launcher's dead store) instead of the launcher's end. Here the watch polls
+    # too slowly to act, so only the failure path can end the process as the watch would.
+    code = ("import os, subprocess, sys, time\n"
+            "from pipetrain.runtime.process import orphans\n"
+            "from pipetrain.runtime.process.forkserver import forked_entry\n"
+            "orphans.POLL_SECONDS = 600.0\n"
+            "watched = subprocess.Popen([sys.executable, '-c', 'pass'])\n"
+            "def entry(pid):\n"
+            "    watched.wait()\n"
+            "    raise ConnectionError('Connection closed by peer')\n"
+            "forked_entry(entry, dict(os.environ), None, watched.pid, watched.pid)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 129, done.stderr
+    assert "is gone" in done.stderr and "Traceback" not in done.stderr, done.stderr
+
+
+def test_a_board_whose_host_has_ended_is_not_asked() -> None:
+    class DeadStore:  # torch prints a C++ stack for each request to a store that is gone
+        asked: list[str] = []
+
+        def __getattr__(self, name: str) -> object:
+            self.asked.append(name)
+            raise ConnectionError("store gone")
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    store = DeadStore()
+    board = FailureBoard(store, host_pid=ended.pid)
+    assert board.host_gone()
+    board.post(FailureRecord(1, "RuntimeError", False, "broken"))
+    assert board.root(wait_s=0.5) is None and board.of_rank(1) is None
+    assert store.asked == []
+    assert not FailureBoard(store, host_pid=os.getpid()).host_gone()
+    assert not FailureBoard(store).host_gone()

@@ -4,8 +4,11 @@ A rank that fails writes a :class:`FailureRecord` (rank, exception type, whether
 user error, its first line, and the rank whose failure caused it, if any) as JSON into a
 key-value store every rank and the launcher can read (:class:`FailureBoard`):
 
-- local runs: a ``TCPStore`` the launcher hosts for the run (its address travels with the
-  resolved run to the workers), so the launcher reads the records after the workers exit;
+- local runs: a ``TCPStore`` the launcher hosts for the run (its :class:`BoardAddress`, the
+  store's and the launcher process's, travels to the workers), so the launcher reads the
+  records after the workers exit. The store ends with its launcher: a board whose host is
+  gone holds no records and is not asked (torch prints a C++ stack for each request to a
+  store that is gone);
 - under an outer ``torchrun``: the process group's store.
 
 The first *root* failure (one not caused by another rank) is also written to a single key
@@ -20,11 +23,12 @@ import os
 import time
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NamedTuple
 
 from ...errors import PipetrainError
+from .orphans import process_alive
 
-__all__ = ["FailureRecord", "FailureBoard", "WorkerFailure", "connect_board"]
+__all__ = ["BoardAddress", "FailureRecord", "FailureBoard", "WorkerFailure", "connect_board"]
 
 _ROOT_KEY = "pipetrain/failure/{}/root"      # formatted with the restart attempt
 _RANK_KEY = "pipetrain/failure/{}/rank{}"
@@ -70,12 +74,22 @@ class FailureRecord:
         return cls(**json.loads(text))
 
 
+class BoardAddress(NamedTuple):
+    """A local launch's failure board: the store's address and the launcher process hosting it."""
+
+    host: str
+    port: int
+    launcher_pid: int
+
+
 class FailureBoard:
     """Failure records in a ``torch.distributed`` store (module docstring). Never raises:
-    a store that is gone means no record."""
+    a store that is gone means no record. ``host_pid``: the process hosting the store, if
+    known; once it has ended the store is not asked."""
 
-    def __init__(self, store: Any, attempt: int | None = None) -> None:
+    def __init__(self, store: Any, attempt: int | None = None, host_pid: int | None = None) -> None:
         self.store = store
+        self.host_pid = host_pid
         # Records are kept per restart attempt (torchelastic's TORCHELASTIC_RESTART_COUNT), so
         # that a restarted group never reports the failure of the attempt before it as its own.
         if attempt is None:
@@ -85,6 +99,10 @@ class FailureBoard:
 
     def _rank_key(self, rank: int) -> str:
         return _RANK_KEY.format(self.attempt, rank)
+
+    def host_gone(self) -> bool:
+        """Whether the process hosting the store has ended (never, when it is not known)."""
+        return self.host_pid is not None and not process_alive(self.host_pid)
 
     @classmethod
     def latest(cls, store: Any, attempts: int, world: int) -> FailureBoard:
@@ -101,6 +119,8 @@ class FailureBoard:
 
     def post(self, record: FailureRecord) -> None:
         """Record a failure (and make it the root if it is the first root failure)."""
+        if self.host_gone():
+            return
         try:
             self.store.set(self._rank_key(record.rank), record.to_json())
             if record.caused_by is None:
@@ -111,7 +131,7 @@ class FailureBoard:
     def root(self, wait_s: float = 0.0) -> FailureRecord | None:
         """The first root failure, waiting up to ``wait_s`` for one to appear."""
         deadline = time.monotonic() + wait_s
-        while True:
+        while not self.host_gone():
             try:
                 if self.store.check([self._root_key]):
                     text = self.store.get(self._root_key)
@@ -122,8 +142,11 @@ class FailureBoard:
             if time.monotonic() >= deadline:
                 return None
             time.sleep(0.05)
+        return None
 
     def of_rank(self, rank: int) -> FailureRecord | None:
+        if self.host_gone():
+            return None
         try:
             key = self._rank_key(rank)
             return FailureRecord.from_json(self.store.get(key)) if self.store.check([key]) else None
@@ -131,14 +154,14 @@ class FailureBoard:
             return None
 
 
-def connect_board(address: tuple[str, int] | None, timeout: float = 30.0) -> FailureBoard | None:
+def connect_board(address: BoardAddress | None, timeout: float = 30.0) -> FailureBoard | None:
     """A board on the launcher's store at ``address``, else on the default process group's."""
     import torch.distributed as dist
 
     try:
         if address is not None:
-            host, port = address
-            return FailureBoard(dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout)))
+            store = dist.TCPStore(address.host, address.port, is_master=False, timeout=timedelta(seconds=timeout))
+            return FailureBoard(store, host_pid=address.launcher_pid)
         return FailureBoard(dist.distributed_c10d._get_default_store())
     except Exception:  # noqa: BLE001 - no store: failures are reported by the launcher only
         return None

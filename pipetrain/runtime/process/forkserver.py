@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from .orphans import exit_with_launcher
+from .orphans import exit_launcher_gone, exit_with_launcher, process_alive
 
 __all__ = ["PRELOAD", "SERVER_ENV", "StdStreams", "forked_entry", "reopen_closed_std_fds", "start_method",
            "start_server", "wants_local_workers", "worker_environment"]
@@ -95,10 +95,17 @@ def forked_entry(entry: Callable[..., Any], launcher: Mapping[str, str], streams
                  *args: Any) -> Any:
     """A worker's entry point: the launcher's environment first (``streams``, the unpickled
     :class:`StdStreams`, has already made its descriptors the worker's), a watch that ends this
-    worker when the launcher ``launcher_pid`` has ended (:mod:`.orphans`), then ``entry(*args)``."""
+    worker when the launcher ``launcher_pid`` has ended (:mod:`.orphans`), then ``entry(*args)``.
+    Whatever ``entry`` raises after the launcher has ended, the worker ends as the watch ends it:
+    a peer the watch ended first breaks this worker's transfers before its own watch looks."""
     worker_environment(launcher)
     exit_with_launcher(launcher_pid)
-    return entry(*args)
+    try:
+        return entry(*args)
+    except BaseException:
+        if not process_alive(launcher_pid):
+            exit_launcher_gone(launcher_pid)
+        raise
 
 
 def reopen_closed_std_fds() -> None:

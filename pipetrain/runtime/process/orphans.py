@@ -15,8 +15,9 @@ import os
 import sys
 import threading
 import time
+from typing import NoReturn
 
-__all__ = ["LAUNCHER_GONE_STATUS", "POLL_SECONDS", "exit_with_launcher", "process_alive"]
+__all__ = ["LAUNCHER_GONE_STATUS", "POLL_SECONDS", "exit_launcher_gone", "exit_with_launcher", "process_alive"]
 
 #: Seconds between two looks at the launcher's process.
 POLL_SECONDS = 0.5
@@ -40,14 +41,24 @@ def process_alive(pid: int) -> bool:
     return state not in (b"Z", b"X")
 
 
+def exit_launcher_gone(pid: int) -> NoReturn:
+    """End this worker at once with one line on stderr: its launcher, process ``pid``, is gone.
+
+    Also called on a worker's failure path: a peer whose watch ended it first breaks this
+    worker's transfers, and the launcher's stores are gone with the launcher, so the failure
+    is the launcher's end, not an error of this worker to report."""
+    sys.stderr.write(f"pipetrain: worker process {os.getpid()} exits: its launcher (pid {pid}) is gone\n")
+    sys.stderr.flush()
+    os._exit(LAUNCHER_GONE_STATUS)
+
+
 def exit_with_launcher(pid: int) -> threading.Thread:
-    """Start a daemon thread ending this process (``os._exit``) once process ``pid`` has ended."""
+    """Start a daemon thread ending this process (:func:`exit_launcher_gone`) once process
+    ``pid`` has ended."""
     def watch() -> None:
         while process_alive(pid):
             time.sleep(POLL_SECONDS)
-        sys.stderr.write(f"pipetrain: worker process {os.getpid()} exits: its launcher (pid {pid}) is gone\n")
-        sys.stderr.flush()
-        os._exit(LAUNCHER_GONE_STATUS)
+        exit_launcher_gone(pid)
 
     thread = threading.Thread(target=watch, name="pipetrain-launcher-watch", daemon=True)
     thread.start()

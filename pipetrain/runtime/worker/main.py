@@ -68,7 +68,8 @@ from ..engine.tied_sync import TiedSync
 from ..engine.units import UnitData, stage_part, unit_source
 from ..guards.numerics import NumericsGuard
 from ..guards.tensor_ledger import TensorMemory
-from ..process.failures import FailureBoard, FailureRecord, connect_board
+from ..process.failures import BoardAddress, FailureBoard, FailureRecord, connect_board
+from ..process.orphans import exit_launcher_gone
 from ..process.peers import naming_peer, restart_store
 from ..process.rss import peak_rss_life_mib, proc_status_mib, reset_peak_rss
 from ..process.setup import process_device, setup_process
@@ -95,7 +96,7 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def worker_main(runs: Sequence[ResolvedRun], board_address: tuple[str, int] | None = None) -> list[RunResult | None]:
+def worker_main(runs: Sequence[ResolvedRun], board_address: BoardAddress | None = None) -> list[RunResult | None]:
     """Entry point of each process started by the local launcher: run every resolved run in turn.
     Ctrl-C (SIGINT) or SIGTERM ends the process at once and quietly: the launcher stops every
     worker and removes what they left half written (:func:`~pipetrain.runtime.process.signals.exit_on_signal`)."""
@@ -132,7 +133,7 @@ def shutdown_process_group() -> None:
         pass
 
 
-def run_rank(run: ResolvedRun, board_address: tuple[str, int] | None = None) -> RunResult | None:
+def run_rank(run: ResolvedRun, board_address: BoardAddress | None = None) -> RunResult | None:
     """Run this process's part of a resolved run; rank 0 returns the run's result.
 
     ``board_address``: the launcher's failure store (local launches); ``None``: the process
@@ -144,6 +145,8 @@ def run_rank(run: ResolvedRun, board_address: tuple[str, int] | None = None) -> 
     try:
         return _run(run, rank, world, device)
     except BaseException as e:
+        if board is not None and board.host_pid is not None and board.host_gone():
+            exit_launcher_gone(board.host_pid)  # the launcher's end broke this rank: nothing to report
         if cfg.debug.show_traceback:  # --debug: this rank's traceback, before its one line
             traceback.print_exc()
         root = _root_failure(board, rank) if not isinstance(e, PipetrainError) else None
