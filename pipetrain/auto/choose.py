@@ -371,6 +371,15 @@ def _is_parameter(gm: Any, target: str) -> bool:
     return True
 
 
+def _plan_at(measured: AutoMeasurements, units: int, batch_size: int, workers: int, cal: Calibration,
+             opts: Any, unit_prof: Profile) -> Plan:
+    """The plan of the minibatch of ``units`` units of ``unit_prof`` (kept in the cache)."""
+    from ..plan.calibrated import plan_with_calibration
+
+    scaled = scale_profile(unit_prof, units, batch_size)
+    return measured.plan(scaled, workers, cal, opts, lambda: plan_with_calibration(scaled, workers, cal, opts))
+
+
 def _planned(unit_prof: Profile, plan_fn: Callable[[Profile], Plan], rehearsed: Candidate | None,
              timed_as_whole: Callable[[list[list[str]], Profile], Profile]) -> tuple[Plan, Profile]:
     """A pipeline candidate's plan and the unit profile it is made on: planned, its stages
@@ -428,7 +437,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     """
     from ..errors import PipetrainError, PlanError
     from ..plan.api import PlanOptions
-    from ..plan.calibrated import plan_with_calibration, resolve_calibration
+    from ..plan.calibrated import resolve_calibration
     from ..plan.cuts import split_by_config
     from ..profile import profiler
     from ..schedule import get_schedule
@@ -475,10 +484,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
             unit_prof = timed_as_whole(captured, inputs, key, [list(s.nodes) for s in plan.stages], unit_prof)
         else:
             opts = PlanOptions(schedule=memory_rule_of(name), microbatches=m, use_all_workers=True)
-
-            def plan_fn(p: Profile) -> Plan:
-                return plan_with_calibration(scale_profile(p, units, batch_size), workers, cal, opts)
-
+            plan_fn = partial(_plan_at, measured, units, batch_size, workers, cal, opts)
             plan, unit_prof = _planned(unit_prof, plan_fn, rehearsed, partial(timed_as_whole, captured, inputs, key))
         why = _runnable(spec, plan, m, workers)
         if why is None and accept is not None:

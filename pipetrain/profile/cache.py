@@ -222,9 +222,10 @@ class MeasurementCache:
                 f"{min(self.reused.values())}; --no-cache measures again")
 
     def fetch(self, kind: str, key: Mapping[str, Any], make: Callable[[], T], dump: Callable[[T], Any],
-              load: Callable[[Any], T], device: str = "cpu") -> tuple[T, bool]:
+              load: Callable[[Any], T], device: str = "cpu", measured: bool = True) -> tuple[T, bool]:
         """``(value, hit)``: the stored value under ``key``, else ``make()`` stored and returned.
-        An entry ``load`` rejects counts as a miss."""
+        An entry ``load`` rejects counts as a miss. ``measured``: False for a value computed
+        from measurements (a plan), which :meth:`reuse_note` does not count."""
         path, entry = self._entry(kind, key, device)
         stored = None if entry is None else entry.get("value")
         if stored is not None:
@@ -234,7 +235,7 @@ class MeasurementCache:
                 value = None
             if value is not None:
                 self.hits += 1
-                if path is not None and entry is not None and path not in self._written:
+                if measured and path is not None and entry is not None and path not in self._written:
                     self.reused[path] = str(entry.get("written", "at an unknown time"))
                 return value, True
         self.misses += 1

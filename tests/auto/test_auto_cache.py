@@ -3,6 +3,7 @@ of the same run profiles nothing, ``--no-cache`` measures again, another model o
 another profile, and the loopback calibration is measured once per rank count."""
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 from typing import Any
@@ -137,6 +138,34 @@ def test_the_loopback_calibration_is_measured_once_per_rank_count(monkeypatch: p
     other = MeasurementCache()
     AutoMeasurements(other, None, {}).calibration(3, lambda: make_cal(1000 * MBIT, ranks=3))
     assert other.misses == 1
+
+
+def test_a_repeated_choice_solves_no_plan_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plans made on cached measurements are kept too (kind ``plan``): a repeated choice
+    gives the same candidates without solving; other costs are solved again."""
+    plan_api = importlib.import_module("pipetrain.plan.api")
+
+    Counts(monkeypatch)
+    solves = []
+    real_plan = plan_api.plan
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        solves.append(1)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(plan_api, "plan", counted)
+    kwargs: dict[str, Any] = dict(batch_size=16, workers=2, model_name="mlp", repeats=1,
+                                  schedules=["flush", "pipedream"], microbatches=2,
+                                  cache_key={"model": "mlp", "options": OPTIONS})
+    first = choose(model_at, cache=MeasurementCache(), calibration=make_cal(1000 * MBIT), **kwargs)
+    assert len(solves) >= 2
+    solves.clear()
+    again = choose(model_at, cache=MeasurementCache(), calibration=make_cal(1000 * MBIT), **kwargs)
+    assert solves == []
+    assert [c.to_json() for c in again.candidates] == [c.to_json() for c in first.candidates]
+    assert [c.plan.to_dict() for c in again.candidates] == [c.plan.to_dict() for c in first.candidates]
+    choose(model_at, cache=MeasurementCache(), calibration=make_cal(500 * MBIT), **kwargs)
+    assert len(solves) >= 2
 
 
 def test_without_a_model_key_only_the_calibration_is_kept(private_cache: Path, monkeypatch: pytest.MonkeyPatch
