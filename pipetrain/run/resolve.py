@@ -269,11 +269,12 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
           whole: tuple[Any, Any]) -> tuple[TrainConfig, Any]:
     """``--schedule auto``: the fastest predicted configuration (pipetrain.auto.choose) whose
     replicas suit the run's step counts; the configuration with its schedule and microbatches.
-    ``whole``: the bundle and capture at ``batch`` samples already made (:func:`_load_captured`),
-    what the choice takes for its whole-minibatch unit, and whose graph it takes at the other
-    unit sizes where that holds (:func:`pipetrain.graph.capture.rebatched`). A capture the
-    workers take is traced for its own bundle (:func:`~pipetrain.job.model.ship_model`
-    ships a graph that holds that bundle's tensors)."""
+    ``whole``: the bundle and capture at ``batch`` samples already made (:func:`_load_shipped`:
+    a choice whose unit is the whole minibatch ships that trace to the workers), what the
+    choice takes for its whole-minibatch unit, and whose graph it takes at the other unit
+    sizes where that holds (:func:`pipetrain.graph.capture.rebatched`). A capture the workers
+    take is traced for its own bundle (:func:`~pipetrain.job.model.ship_model` ships a graph
+    that holds that bundle's tensors)."""
     from dataclasses import replace
 
     from ..auto.choose import choose
@@ -589,15 +590,15 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     _check_workers(cfg, workers)
     cfg = cfg.replace(bucket_mb=bucket_mb(cfg, workers, world))
     batch = resolve_batch_size(cfg)
-    auto = None
+    auto, traced = None, None  # traced: the choice's capture at the whole minibatch, as the workers take it
     straight = par.auto and workers > 1 and _too_short_to_choose(cfg)
     if straight:  # the default schedule on a straight pipeline, nothing measured
         cfg = _unchosen(cfg, workers)
         par = cfg.parallel
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
-        whole = _load_captured(cfg, batch)
-        _check_layers(cfg, workers, whole[1])  # before measuring
-        cfg, auto = _auto(cfg, workers, batch, world, whole)
+        traced = _load_shipped(cfg, batch)
+        _check_layers(cfg, workers, traced[1])  # before measuring
+        cfg, auto = _auto(cfg, workers, batch, world, traced[:2])
         par, spec = cfg.parallel, cfg.spec
         options = par.schedule_options
     if workers == 1:
@@ -622,7 +623,9 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
         _check_steps_period(cfg, replicas, f"--config {par.config}" if par.config is not None else "the plan")
     # weightless (no parameter storage here; the quick plan's profile holds a few tensors at a time)
     captured_unit = batch // m  # the samples of the capture's example batch
-    bundle, captured, shipped = _load_shipped(cfg, captured_unit)  # traced for its bundle: ship_model's rule
+    # traced for its bundle (ship_model's rule): the choice's own trace when it is at this batch
+    bundle, captured, shipped = traced if traced is not None and captured_unit == batch else \
+        _load_shipped(cfg, captured_unit)
     _check_fits(bundle, source)
     _check_layers(cfg, workers, captured)
     plan, note = _choose_plan(cfg, captured, bundle, batch, workers, m, replicas, auto)

@@ -182,10 +182,11 @@ def test_without_a_model_key_only_the_calibration_is_kept(private_cache: Path, m
 
 def test_the_choice_traces_the_model_once_for_every_unit_size(tmp_path: Path,
                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """The resolve captures the model at the whole minibatch (its layer check) before the
-    choice, which measures every unit size: the model is built at each size, its graph traced
-    once and taken at the others (pipetrain.graph.capture.rebatched). A capture the workers
-    take (shipped, rehearsed) is traced for its own bundle (not counted)."""
+    """The resolve captures the model at the whole minibatch (its layer check; as the workers
+    take it) before the choice, which measures every unit size: the model is built at each
+    size, its graph traced once and taken at the others (pipetrain.graph.capture.rebatched).
+    A capture the workers take at another unit size is traced for its own bundle, once; a
+    rehearsal's is not counted."""
     import importlib
     import traceback
 
@@ -193,23 +194,57 @@ def test_the_choice_traces_the_model_once_for_every_unit_size(tmp_path: Path,
 
     graph_capture = importlib.import_module("pipetrain.graph.capture")  # the module, not the function it exports
 
-    real_load, real_capture = resolve.load_captured, graph_capture.capture
+    real_load, real_shipped, real_capture = resolve.load_captured, resolve.load_shipped, graph_capture.capture
     samples: list[int] = []
+    shipped: list[int] = []
     traced: list[int] = []
 
     def load_captured(cfg: Any, unit_batch: int, **kwargs: Any) -> Any:
         samples.append(unit_batch)
         return real_load(cfg, unit_batch, **kwargs)
 
+    def load_shipped(cfg: Any, unit_batch: int, **kwargs: Any) -> Any:
+        shipped.append(unit_batch)
+        return real_shipped(cfg, unit_batch, **kwargs)
+
     def capture(model: Any, example_inputs: Any, **kwargs: Any) -> Any:
         first = example_inputs[0] if isinstance(example_inputs, tuple) else example_inputs
-        if any(f.name == "load_captured" for f in traceback.extract_stack()):  # the resolve's and the choice's
+        if any(f.name in ("_load_captured", "_load_shipped") and f.filename.endswith("resolve.py")
+               for f in traceback.extract_stack()):  # the resolve's and the choice's, not a rehearsal's
             traced.append(int(first.shape[0]))
         return real_capture(model, example_inputs, **kwargs)
 
     monkeypatch.setattr(resolve, "load_captured", load_captured)
+    monkeypatch.setattr(resolve, "load_shipped", load_shipped)
     monkeypatch.setattr(graph_capture, "capture", capture)
     run = resolve_run(auto_config(tmp_path, microbatches=None, cache=False))
     assert run.plan is not None
-    assert sorted(samples) == [2, 4, 8, 16], samples  # the choice measured every unit size, each built once
-    assert traced == [16], traced  # and traced the model once
+    # the choice measured every unit size, each built once: the whole minibatch's first
+    assert shipped[0] == 16 and sorted(samples) == [2, 4, 8], (shipped, samples)
+    # and traced the model once; the workers' capture again only at another unit size
+    unit = run.batch_size // run.microbatches
+    assert shipped[1:] == ([] if unit == 16 else [unit]), (shipped, unit)
+    assert traced == [16] + shipped[1:], traced
+
+
+def test_a_repeated_choice_at_the_whole_minibatch_traces_the_model_once(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every measurement and plan cached, a choice whose unit is the whole minibatch ships the
+    trace it chose on to the workers instead of tracing the model again for them."""
+    graph_capture = importlib.import_module("pipetrain.graph.capture")  # the module, not the function it exports
+    real_capture = graph_capture.capture
+    traced: list[int] = []
+
+    def capture(model: Any, example_inputs: Any, **kwargs: Any) -> Any:
+        traced.append(1)
+        return real_capture(model, example_inputs, **kwargs)
+
+    Counts(monkeypatch)
+    first = resolve_run(auto_config(tmp_path, microbatches=1))
+    monkeypatch.setattr(graph_capture, "capture", capture)
+    again = resolve_run(auto_config(tmp_path, microbatches=1))
+    assert again.microbatches == 1 and len(traced) == 1, traced
+    assert again.plan is not None and first.plan is not None and again.plan.config == first.plan.config
+    assert (again.model is None) == (first.model is None)
+    if again.model is not None and first.model is not None:
+        assert again.model.unit_batch == first.model.unit_batch == again.batch_size
