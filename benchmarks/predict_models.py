@@ -5,6 +5,7 @@ from configs, and the zoo's ``gpt``, each at batch 8 x 32 tokens.
     python benchmarks/predict_models.py --models llama,bert --rounds 2 --json out.json
     python benchmarks/predict_models.py --pythonpath ../before      # the code before a change
     python benchmarks/predict_models.py --models others             # GPT-2, GPT-NeoX, Phi, ..., Mixtral
+    python benchmarks/predict_models.py --models qwen2              # a Qwen2 sized unlike the others
     python benchmarks/predict_models.py --models defaults           # Llama, BERT, T5 at the library's sizes
 
 For each model, in this order:
@@ -106,6 +107,11 @@ OTHER_CONFIGS: dict[str, tuple[str, str, dict[str, Any]]] = {
                   "num_experts_per_tok": 2}),
 }
 HF_CONFIGS.update(OTHER_CONFIGS)
+#: Sized unlike the groups above (``--models qwen2``): 6 layers, width 192, 6 heads over 2
+#: key-value heads, vocabulary 512.
+HF_CONFIGS["qwen2"] = ("Qwen2Config", "Qwen2ForCausalLM",
+                       {"vocab_size": 512, "hidden_size": 192, "intermediate_size": 384, "num_hidden_layers": 6,
+                        "num_attention_heads": 6, "num_key_value_heads": 2, "max_position_embeddings": 64})
 #: The same three architectures as a user writes their configs in a line (``--models
 #: defaults``): depth, width and heads set, every other size the library's default (Llama:
 #: vocabulary 32000, intermediate 11008; BERT: 30522, 3072, dropout 0.1; T5: 32128, d_ff
@@ -129,6 +135,7 @@ DESCRIPTION = {
     "gpt": "zoo gpt (d_model 256, 4 layers, 4 heads, vocab 256)",
     **{name: f"Hugging Face {model} ({'2 + 2 layers' if name == 'bart' else '4 layers'}, width 256, vocab 256)"
        for name, (_, model, _) in OTHER_CONFIGS.items()},
+    "qwen2": "Hugging Face Qwen2ForCausalLM (6 layers, width 192, 6 heads over 2 key-value heads, vocab 512)",
     "llama_defaults": "Hugging Face Llama (4 layers, hidden 256, 4 heads; intermediate 11008, vocab 32000)",
     "bert_defaults": "Hugging Face BERT masked LM (4 layers, hidden 256, 4 heads; intermediate 3072, vocab 30522)",
     "t5_defaults": "Hugging Face T5 (2 + 2 layers, d_model 256; d_ff 2048, 8 heads, vocab 32128)",
