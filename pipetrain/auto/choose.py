@@ -79,6 +79,8 @@ from ..plan.types import Plan
 from .measured import AutoMeasurements
 
 if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
     from ..cluster.calibration import Calibration
     from ..graph.capture import CapturedModel
     from ..profile.cache import MeasurementCache
@@ -411,7 +413,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
            schedules: Sequence[str] | None = None,
            accept: Callable[[Candidate, Any], str | None] | None = None,
            cache: MeasurementCache | None = None, cache_key: Mapping[str, Any] | None = None,
-           rehearse: Rehearse | None = None, malloc_tuned: bool = False) -> AutoChoice:
+           rehearse: Rehearse | None = None, malloc_tuned: bool = False,
+           processes: BaseContext | None = None) -> AutoChoice:
     """The fastest configuration of the model on ``workers`` ranks (module docstring).
 
     Args:
@@ -431,6 +434,8 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
         malloc_tuned: the caller times under the workers' allocator tuning
             (:func:`pipetrain.runtime.process.rss.workers_allocator`): part of the cache's key,
             so times measured under another allocator are measured again.
+        processes: how a calibration measured now starts its ranks
+            (:func:`pipetrain.cluster.measure.calibrate`); None: a fresh interpreter each.
 
     Raises:
         PlanError: when no candidate can run (one line naming why for each).
@@ -450,7 +455,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
     measured = AutoMeasurements(cache, cache_key, _cache_settings(optimizer, momentum, threads, repeats, malloc_tuned))
     cal = resolve_calibration(calibration)
     if cal is None:  # measured now (or earlier on this machine), at this run's rank count
-        cal = measured.calibration(workers, lambda: _measure_calibration(workers, threads))
+        cal = measured.calibration(workers, lambda: _measure_calibration(workers, threads, processes))
     costs = f"{cal.where} costs ({cal.p2p.bandwidth_bits_per_second / 1e6:.4g} Mbit/s point-to-point)"
     names = list(schedules) if schedules is not None else _auto_names()
     steps_of = _StepTimer(optimizer, momentum, measured)
@@ -648,11 +653,11 @@ def _cache_settings(optimizer: str, momentum: float, threads: int | None, repeat
             "malloc": "workers' tuning" if malloc_tuned else "glibc defaults"}
 
 
-def _measure_calibration(workers: int, threads: int | None) -> Calibration:
+def _measure_calibration(workers: int, threads: int | None, processes: BaseContext | None) -> Calibration:
     """A loopback calibration measured now at ``workers`` ranks of ``threads`` threads."""
     from ..plan.calibrated import MEASURE, resolve_calibration
 
-    cal = resolve_calibration(MEASURE, ranks=workers, threads=threads)
+    cal = resolve_calibration(MEASURE, ranks=workers, threads=threads, processes=processes)
     assert cal is not None
     return cal
 

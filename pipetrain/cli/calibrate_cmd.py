@@ -43,6 +43,7 @@ def run(a: argparse.Namespace) -> int:
     from ..cluster.errors import ClusterError
     from ..cluster.measure import calibrate
     from ..cluster.netns import EmulatedCluster
+    from ..runtime.process.forkserver import server_processes
 
     if a.cluster and a.hosts:
         raise ClusterError("pass --hosts N (a new cluster) or --cluster ID (one left up), not both")
@@ -56,7 +57,8 @@ def run(a: argparse.Namespace) -> int:
             with EmulatedCluster(a.hosts, a.bandwidth) as c:
                 cal = calibrate(c, max_message_seconds=a.max_message_seconds, timeout=a.timeout)
         else:
-            cal = calibrate(None, ranks=a.ranks, max_message_seconds=a.max_message_seconds, timeout=a.timeout)
+            cal = calibrate(None, ranks=a.ranks, max_message_seconds=a.max_message_seconds, timeout=a.timeout,
+                            processes=server_processes())  # torch imported once for every rank
     except ClusterUnavailable as e:
         print(f"error: {e}", file=sys.stderr)
         return 3

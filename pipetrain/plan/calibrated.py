@@ -36,6 +36,8 @@ from .cost import CostParams
 from .types import Plan, Topology
 
 if TYPE_CHECKING:
+    from multiprocessing.context import BaseContext
+
     from ..cluster.calibration import Calibration
     from ..profile.types import Profile
 
@@ -47,10 +49,11 @@ MEASURE = "measure"
 
 
 def resolve_calibration(value: str | Path | Calibration | None, ranks: int = 2,
-                        threads: int | None = None) -> Calibration | None:
+                        threads: int | None = None, processes: BaseContext | None = None) -> Calibration | None:
     """A calibration from a file path, ``"measure"`` (``ranks`` ranks on loopback, now, so the
     all-reduce fit is at that count; ``threads``: torch threads per rank of its compute probe,
-    default 1), or as given.
+    default 1; ``processes``: how its ranks start, :func:`pipetrain.cluster.measure.calibrate`),
+    or as given.
 
     Raises CalibrationError (a PipetrainError) when the file is missing or malformed.
     """
@@ -61,7 +64,7 @@ def resolve_calibration(value: str | Path | Calibration | None, ranks: int = 2,
     if str(value) == MEASURE:
         from ..cluster.measure import calibrate
 
-        return calibrate(None, ranks=ranks, threads=threads or 1)
+        return calibrate(None, ranks=ranks, threads=threads or 1, processes=processes)
     return load_calibration(value)
 
 

@@ -317,6 +317,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
         return None
 
     from ..profile.cache import MeasurementCache
+    from ..runtime.process.forkserver import server_processes
     from .rehearse import CandidateRehearsal
 
     cache = MeasurementCache(enabled=cfg.performance.cache)
@@ -325,7 +326,8 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
                         momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
                         calibration=par.calibration, microbatches=par.microbatches, accept=accept,
                         cache=cache, cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
-                        rehearse=CandidateRehearsal(cfg, workers, batch), malloc_tuned=tuned)
+                        rehearse=CandidateRehearsal(cfg, workers, batch), malloc_tuned=tuned,
+                        processes=server_processes() if world is None else None)
     choice.reused = cache.reuse_note()
     best = choice.best
     log.info("%s", "\n".join(summary_lines(choice)))

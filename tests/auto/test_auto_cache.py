@@ -38,6 +38,7 @@ class Counts:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
         self.profiles = self.stages = self.calibrations = 0
+        self.calibrate_kwargs: list[dict[str, Any]] = []
         real_profile, real_stages = profiler.profile_captured, stage_timing.stage_seconds
 
         def profile(*args: Any, **kwargs: Any) -> Any:
@@ -50,6 +51,7 @@ class Counts:
 
         def calibrate(*args: Any, **kwargs: Any) -> Any:
             self.calibrations += 1
+            self.calibrate_kwargs.append(kwargs)
             return make_cal(1000 * MBIT, ranks=int(kwargs.get("ranks", 2)))
 
         monkeypatch.setattr(profiler, "profile_captured", profile)
@@ -138,6 +140,19 @@ def test_the_loopback_calibration_is_measured_once_per_rank_count(monkeypatch: p
     other = MeasurementCache()
     AutoMeasurements(other, None, {}).calibration(3, lambda: make_cal(1000 * MBIT, ranks=3))
     assert other.misses == 1
+
+
+def test_a_launcher_forks_its_calibration_ranks_from_the_fork_server(tmp_path: Path, private_cache: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A calibration measured for ``auto`` in the launcher starts its ranks from the workers'
+    fork server (torch imported once), not as fresh interpreters."""
+    from pipetrain.runtime.process.forkserver import start_method
+
+    counts = Counts(monkeypatch)
+    resolve_run(auto_config(tmp_path, calibration=None))
+    assert counts.calibrations == 1
+    processes = counts.calibrate_kwargs[0]["processes"]
+    assert processes is not None and processes.get_start_method() == start_method() == "forkserver"
 
 
 def test_a_repeated_choice_solves_no_plan_again(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -192,6 +192,35 @@ def test_calibration_on_loopback_is_positive_and_finite() -> None:
     assert 1.0 <= cal.compute_slowdown < 10
 
 
+def test_calibration_ranks_forked_from_the_fork_server() -> None:
+    """The launcher's way (``processes``): the same measurements, the ranks forked from the
+    server that has imported torch."""
+    from pipetrain.cluster.measure import calibrate
+    from pipetrain.runtime.process.forkserver import server_processes
+
+    processes = server_processes()
+    assert processes is not None
+    cal = calibrate(None, ranks=2, timeout=60, processes=processes)
+    for fit in (cal.p2p, cal.allreduce):
+        assert 0 < fit.latency_seconds < 1 and math.isfinite(fit.latency_seconds)
+        assert 0 < fit.bandwidth_bytes_per_second < math.inf
+    assert cal.where == "loopback" and {s.kind for s in cal.samples} == {"p2p", "allreduce"}
+    assert 1.0 <= cal.compute_slowdown < 10
+
+
+def test_forked_calibration_ranks_past_their_timeout_are_ended() -> None:
+    """Ranks that cannot finish within the timeout: one error, and none of them is left."""
+    import multiprocessing
+
+    from pipetrain.cluster.errors import CalibrationError
+    from pipetrain.cluster.measure import calibrate
+    from pipetrain.runtime.process.forkserver import server_processes
+
+    with pytest.raises((CalibrationError, RuntimeError), match="calibration"):
+        calibrate(None, ranks=2, timeout=0.3, processes=server_processes())
+    assert multiprocessing.active_children() == []
+
+
 @pytest.mark.skipif((os.cpu_count() or 1) > 2, reason="needs more ranks than cores: 4 ranks on at most 2 cores")
 def test_more_ranks_than_cores_compute_slower_by_about_their_ratio() -> None:
     """4 one-thread ranks on 2 cores: each computes at about half its speed alone."""

@@ -22,12 +22,13 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from multiprocessing.context import BaseContext
 from typing import Any
 
 from .orphans import exit_launcher_gone, exit_with_launcher, process_alive
 
-__all__ = ["PRELOAD", "SERVER_ENV", "StdStreams", "forked_entry", "reopen_closed_std_fds", "start_method",
-           "start_server", "wants_local_workers", "worker_environment"]
+__all__ = ["PRELOAD", "SERVER_ENV", "StdStreams", "forked_entry", "reopen_closed_std_fds", "server_processes",
+           "start_method", "start_server", "wants_local_workers", "worker_environment"]
 
 #: What the fork server imports before it forks any worker.
 PRELOAD = ["torch", "torch.distributed", "pipetrain.runtime.process.forkserver", "pipetrain.runtime.worker.main"]
@@ -58,6 +59,18 @@ def start_server() -> None:
     finally:
         if saved is None:
             os.environ.pop("OMP_NUM_THREADS", None)
+
+
+def server_processes() -> BaseContext | None:
+    """The fork server's ``multiprocessing`` context, the server started now if it is not
+    yet, for short-lived processes that need torch beside the workers (a calibration's ranks,
+    :func:`pipetrain.cluster.measure.calibrate`); None where this platform has no fork server.
+    Such a process inherits the server's environment, not the launcher's (module docstring):
+    it sets what it needs itself."""
+    if start_method() != "forkserver":
+        return None
+    start_server()
+    return multiprocessing.get_context("forkserver")
 
 
 def worker_environment(launcher: Mapping[str, str]) -> None:
