@@ -266,15 +266,16 @@ def _one_host() -> bool:
 
 
 def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
-          whole: tuple[Any, Any]) -> tuple[TrainConfig, Any]:
+          traced: tuple[Any, Any, Any]) -> tuple[TrainConfig, Any]:
     """``--schedule auto``: the fastest predicted configuration (pipetrain.auto.choose) whose
     replicas suit the run's step counts; the configuration with its schedule and microbatches.
-    ``whole``: the bundle and capture at ``batch`` samples already made (:func:`_load_shipped`:
-    a choice whose unit is the whole minibatch ships that trace to the workers), what the
-    choice takes for its whole-minibatch unit, and whose graph it takes at the other unit
-    sizes where that holds (:func:`pipetrain.graph.capture.rebatched`). A capture the workers
-    take is traced for its own bundle (:func:`~pipetrain.job.model.ship_model` ships a graph
-    that holds that bundle's tensors)."""
+    ``traced``: the bundle, capture and shipped model at ``batch`` samples already made
+    (:func:`_load_shipped`: a choice whose unit is the whole minibatch ships that trace to the
+    workers), what the choice takes for its whole-minibatch unit and its rehearsals, and whose
+    graph it takes at the other unit sizes where that holds
+    (:func:`pipetrain.graph.capture.rebatched`). A capture the workers take is traced for its
+    own bundle (:func:`~pipetrain.job.model.ship_model` ships a graph that holds that
+    bundle's tensors)."""
     from dataclasses import replace
 
     from ..auto.choose import choose
@@ -285,6 +286,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
             "--schedule auto across hosts needs the links' measured costs: run `pipetrain calibrate --output FILE` "
             "on these hosts and pass --calibration FILE, or name a schedule")
 
+    whole, shipped_whole = traced[:2], traced[1:]
     captures = {batch: whole}  # by unit size: one trace, taken at the others
 
     def model_at(samples: int) -> tuple[Any, tuple[Any, ...]]:
@@ -326,7 +328,7 @@ def _auto(cfg: TrainConfig, workers: int, batch: int, world: int | None,
                         momentum=cfg.optimizer.momentum, threads=cfg.performance.threads, model_name=cfg.model.name,
                         calibration=par.calibration, microbatches=par.microbatches, accept=accept,
                         cache=cache, cache_key={"model": cfg.model.name, "options": dict(cfg.model.options)},
-                        rehearse=CandidateRehearsal(cfg, workers, batch), malloc_tuned=tuned,
+                        rehearse=CandidateRehearsal(cfg, workers, batch, shipped_whole), malloc_tuned=tuned,
                         processes=server_processes() if world is None else None)
     choice.reused = cache.reuse_note()
     best = choice.best
@@ -600,7 +602,7 @@ def resolve_with_bundle(cfg: TrainConfig, world: int | None = None) -> tuple[Res
     if par.auto and workers > 1:  # --schedule auto: the schedule, microbatches and stages chosen here
         traced = _load_shipped(cfg, batch)
         _check_layers(cfg, workers, traced[1])  # before measuring
-        cfg, auto = _auto(cfg, workers, batch, world, traced[:2])
+        cfg, auto = _auto(cfg, workers, batch, world, traced)
         par, spec = cfg.parallel, cfg.spec
         options = par.schedule_options
     if workers == 1:

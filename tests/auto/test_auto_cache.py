@@ -263,3 +263,4 @@ def test_a_repeated_choice_at_the_whole_minibatch_traces_the_model_once(tmp_path
     assert (again.model is None) == (first.model is None)
     if again.model is not None and first.model is not None:
         assert again.model.unit_batch == first.model.unit_batch == again.batch_size
+

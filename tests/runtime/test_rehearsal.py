@@ -189,6 +189,43 @@ def test_a_hugging_face_model_with_a_tied_embedding_is_rehearsed_from_its_direct
     assert tied == [False, False]
 
 
+
+def test_a_rehearsal_at_the_whole_minibatch_takes_the_launcher_s_trace(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Given the launcher's capture at the whole minibatch (``whole``: what the resolve traced
+    for the choice and ships), a candidate of that unit is rehearsed on it, the model not
+    traced again, and what is shipped afterwards is unchanged (its values read from the files)."""
+    pytest.importorskip("transformers")
+    import importlib
+
+    from test_hf_dir import llama
+
+    from pipetrain.run.resolve import _load_shipped
+
+    path = llama(tmp_path)
+    cfg = TrainConfig.of(model=f"hf:{path}", model_options={"seq_len": 16}, batch_size=4, workers=2, threads=1)
+    _, captured, shipped = _load_shipped(cfg, 4)
+    assert shipped is not None
+    kept = {n: t.clone() for n, t in shipped.kept.items()}
+    graph_capture = importlib.import_module("pipetrain.graph.capture")  # the module, not the function it exports
+    real_capture = graph_capture.capture
+    traced: list[int] = []
+
+    def capture(*args: Any, **kwargs: Any) -> Any:
+        traced.append(1)
+        return real_capture(*args, **kwargs)
+
+    monkeypatch.setattr(graph_capture, "capture", capture)
+    rehearsal = CandidateRehearsal(cfg, 2, 4, (captured, shipped))
+    cand = Candidate("pipedream", 1, split_by_config(captured, [1, 1], "llama", 4), 1.0)
+    assert rehearsal.run_of(cand).model is not None
+    assert len(list(rehearsal(cand))) == 2
+    assert traced == []  # the launcher's trace, rehearsed on; without it, traced once more
+    assert shipped.kept.keys() == kept.keys() and all(torch.equal(shipped.kept[n], kept[n]) for n in kept)
+    CandidateRehearsal(cfg, 2, 4).run_of(cand)
+    assert traced == [1]
+
+
 def test_a_rehearsal_runs_at_its_workers_threads(monkeypatch: pytest.MonkeyPatch) -> None:
     """Workers compute with ``--threads``; so does their rehearsal, whatever the caller's
     setting, which is restored after (a benchmark rehearsing at 2 threads predicted half the time)."""
