@@ -45,6 +45,7 @@ the quadratic in ``m`` exactly.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -161,18 +162,21 @@ class CostModel:
             for row, m in enumerate(range(2, max_replicas + 1)):
                 table[row] = self.term_at(prep, slice(None), np.float64(m))  # type: ignore[arg-type]
         prep["table"] = table
+        # row k: the least term at 2..k+2 replicas (NaN where every one is NaN), for min_replicas
+        prep["table_least"] = np.fmin.accumulate(table, axis=0)
 
-    def limits(self, prep: dict[str, Any]) -> np.ndarray | None:
-        """Every finite term of the tabulated elements at 1 to ``max_replicas`` replicas,
-        sorted and distinct: a plan's time (the largest of its terms) is one of them. None
-        when :meth:`tabulate` did not tabulate."""
+    def limits(self, prep: dict[str, Any], lo: float = 0.0, hi: float = math.inf) -> np.ndarray | None:
+        """Every finite term of the tabulated elements at 1 to ``max_replicas`` replicas in
+        ``[lo, hi)``, sorted and distinct: a plan's time (the largest of its terms) is one of
+        them. None when :meth:`tabulate` did not tabulate. (The bounds are applied before the
+        sort: a solve's bracket held 27-30% of a 6-layer decoder's 2.5-2.8 million terms.)"""
         table = prep.get("table")
         if table is None:
             return None
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             one = self.term_at(prep, slice(None), np.float64(1.0))  # type: ignore[arg-type]
         values = np.concatenate([one, table.ravel()])
-        return np.unique(values[np.isfinite(values)])
+        return np.unique(values[np.isfinite(values) & (values >= lo) & (values < hi)])
 
     def min_replicas(self, prep: dict[str, Any], tau: float, exact: bool = True) -> tuple[np.ndarray, np.ndarray]:
         """For each prepared element: whether 1 replica meets ``term <= tau``, and the least
@@ -184,12 +188,10 @@ class CostModel:
         """
         with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
             ok1 = self._ok1(prep, tau)
-            table = prep.get("table")
-            if table is not None:
-                fits = table <= tau
-                first = fits.argmax(axis=0)
-                found = fits[first, np.arange(fits.shape[1])]
-                return ok1, np.where(found, first + 2.0, np.inf)
+            least = prep.get("table_least")
+            if least is not None:  # the counts that fit are a suffix of 2..max_replicas
+                fits = least <= tau
+                return ok1, np.where(fits[-1], float(len(fits) + 2) - fits.sum(axis=0), np.inf)
             m = self._guess(prep, tau)
             m = np.where(np.isfinite(m), np.maximum(m, 2.0), np.inf)
             if not exact:

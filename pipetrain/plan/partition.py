@@ -296,14 +296,23 @@ def _feasible_any_stages(prob: Problem, top: TopLevel, ok1: np.ndarray, m2: np.n
     byt = np.zeros(K)
     choice = np.full(K, -1, dtype=np.int64)
     reps = np.zeros(K, dtype=np.int64)
+    # without a memory limit a pair's replicas do not depend on W: taken for every pair at once
+    fixed = _with_memory(ok1, m2, None, W) if top.Q is None else None
+    starts = top.starts.tolist()
     for a in range(K - 2, -1, -1):
-        lo, hi = top.starts[a], top.starts[a + 1]
+        lo, hi = starts[a], starts[a + 1]
         if lo == hi:
             continue
         zs = top.pz[lo:hi]
-        r = _with_memory(ok1[lo:hi], m2[lo:hi], None if top.Q is None else top.Q[lo:hi], W[zs])
-        tot = r + W[zs]
-        best = tot.min()
+        Wz = W[zs]
+        if fixed is not None:
+            r = fixed[lo:hi]
+        else:
+            assert top.Q is not None
+            r = _with_memory(ok1[lo:hi], m2[lo:hi], top.Q[lo:hi], Wz)
+        tot = r + Wz
+        i = int(tot.argmin())
+        best = tot[i]
         if not best <= N:
             continue
         if tiebreak:
@@ -313,8 +322,6 @@ def _feasible_any_stages(prob: Problem, top: TopLevel, ok1: np.ndarray, m2: np.n
             b = byt[zs[cand]] + np.where(zs[cand] == K - 1, 0.0, cut[zs[cand]])
             i = int(cand[np.argmin(b)])
             byt[a] = b.min()
-        else:
-            i = int(np.argmin(tot))
         W[a] = best
         choice[a] = lo + i
         reps[a] = int(r[i])
@@ -476,7 +483,7 @@ def solve(prob: Problem) -> Solution | None:
     lo = float(prob.states.compute[-1]) / prob.total_workers
     lo = min(lo, hi)
     best = elems
-    values = prob.model.limits(top.prep)
+    values = prob.model.limits(top.prep, lo * (1.0 - 1e-9), hi)  # lo: the rounding of an exact bound
     if values is not None:
         best, hi, more = _search_values(prob, top, E, BwE, values, best, hi, lo)
     else:

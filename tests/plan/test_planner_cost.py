@@ -79,6 +79,35 @@ def test_min_replicas_matches_a_scan(model) -> None:
             assert ok1[i] == (model.term(lv, E[i], Bw[i], P[i], Xs[i], Xe[i], 1.0) <= tau)
 
 
+
+@pytest.mark.parametrize("model", [PipeDreamCost(), PipetrainCost(CostParams(latency=3e-5, overlap=0.7))])
+def test_min_replicas_and_limits_from_the_table_match_a_scan(model) -> None:
+    """Tabulated (up to 6 replicas): the least count that meets each limit, ``inf`` past the
+    table or where every term is NaN; and the bracketed, distinct limits a plan can take."""
+    rnd = random.Random(7)
+    n, top = 300, 6
+    lv = LevelCtx(1e9, rnd.choice([1, 4]))
+    E = np.array([rnd.uniform(1e-4, 0.5) for _ in range(n)])
+    E[0] = np.nan
+    Bw = E * 0.5
+    P = np.array([rnd.choice([0.0, 1e5, 1e7, 1e8, 5e8]) for _ in range(n)])
+    Xs = np.array([rnd.choice([0.0, 1e6, 1e8]) for _ in range(n)])
+    Xe = np.array([rnd.choice([0.0, 1e6, 1e8]) for _ in range(n)])
+    prep = model.prepare(lv, E, Bw, P, Xs, Xe)
+    model.tabulate(prep, top)
+    ms = np.arange(2, top + 1, dtype=float)
+    every = np.array([model.term(lv, E[i], Bw[i], P[i], Xs[i], Xe[i], np.arange(1, top + 1, dtype=float))
+                      for i in range(n)]).ravel()
+    for tau in (1e-3, 7e-3, 0.03, 0.2):
+        _, m2 = model.min_replicas(prep, tau)
+        for i in range(n):
+            feas = ms[model.term(lv, E[i], Bw[i], P[i], Xs[i], Xe[i], ms) <= tau]
+            assert m2[i] == (feas[0] if len(feas) else np.inf), (i, tau)
+    for lo, hi in ((0.0, np.inf), (7e-3, 0.03)):
+        want = np.unique(every[np.isfinite(every) & (every >= lo) & (every < hi)])
+        assert np.array_equal(model.limits(prep, lo, hi), want)
+
+
 def test_infer_hierarchy() -> None:
     topo = parse_topology("4,4", "300e9,1.25e9")
     h = infer_hierarchy([12, 2, 1, 1], topo)
