@@ -375,11 +375,18 @@ def _is_parameter(gm: Any, target: str) -> bool:
 
 def _plan_at(measured: AutoMeasurements, units: int, batch_size: int, workers: int, cal: Calibration,
              opts: Any, unit_prof: Profile) -> Plan:
-    """The plan of the minibatch of ``units`` units of ``unit_prof`` (kept in the cache)."""
+    """The plan of the minibatch of ``units`` units of ``unit_prof`` (kept in the cache).
+    Without a memory limit the dynamic program's answer is every schedule's, so it is solved
+    under one memory rule and given ``opts``' (:func:`~pipetrain.plan.api.under_schedule`)."""
+    from ..plan.api import under_schedule
     from ..plan.calibrated import plan_with_calibration
 
     scaled = scale_profile(unit_prof, units, batch_size)
-    return measured.plan(scaled, workers, cal, opts, lambda: plan_with_calibration(scaled, workers, cal, opts))
+    if opts.memory_limit is not None:
+        return measured.plan(scaled, workers, cal, opts, lambda: plan_with_calibration(scaled, workers, cal, opts))
+    solved = replace(opts, schedule="pipedream", microbatches=1)
+    plan = measured.plan(scaled, workers, cal, solved, lambda: plan_with_calibration(scaled, workers, cal, solved))
+    return under_schedule(plan, scaled, opts.schedule, opts.microbatches)
 
 
 def _planned(unit_prof: Profile, plan_fn: Callable[[Profile], Plan], rehearsed: Candidate | None,

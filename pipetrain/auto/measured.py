@@ -49,6 +49,7 @@ class AutoMeasurements:
         self.cache = cache
         self.model = dict(model) if model is not None else None
         self.settings = dict(settings)
+        self._plans: dict[str, Plan] = {}  # by key: a plan is solved once per choice, cache or not
 
     def calibration(self, workers: int, measure: Callable[[], Calibration]) -> Calibration:
         """The loopback calibration at ``workers`` ranks (measured by ``measure`` on a miss)."""
@@ -116,19 +117,26 @@ class AutoMeasurements:
         inputs alone, kept because a choice solves about two programs per candidate, each
         0.3-0.5 s on a 400-node graph (a Hugging Face decoder of 6 layers: 20 solves, half
         of a repeated choice's 10 s). The key holds every input (the profile by a digest of
-        its JSON), so a plan is reused only for the same profile, costs and options."""
+        its JSON), so a plan is reused only for the same profile, costs and options. Within
+        one choice a plan is solved once for a key, with or without a cache; each call
+        returns its own copy."""
+        import copy
         from dataclasses import asdict
 
         from ..plan.types import Plan
         from ..profile.io import profile_to_dict
 
-        if self.cache is None or self.model is None:
-            return make()
         digest = hashlib.sha256(json.dumps(profile_to_dict(profile), sort_keys=True).encode()).hexdigest()
         key = {"profile": digest, "workers": workers, "calibration": cal.to_dict(), "options": asdict(options)}
-        plan, _ = self.cache.fetch("plan", key, make, lambda p: p.to_dict(),
-                                   lambda d: Plan.from_dict(d, "the measurement cache"), measured=False)
-        return plan
+        known = json.dumps(key, sort_keys=True, default=str)
+        if known not in self._plans:
+            if self.cache is None or self.model is None:
+                self._plans[known] = make()
+            else:
+                self._plans[known], _ = self.cache.fetch("plan", key, make, lambda p: p.to_dict(),
+                                                         lambda d: Plan.from_dict(d, "the measurement cache"),
+                                                         measured=False)
+        return copy.deepcopy(self._plans[known])
 
     def step_seconds(self, shapes: Sequence[Sequence[int]], make: Callable[[], float]) -> float:
         """Seconds of one STEP over parameters of ``shapes`` (what :data:`STEP_TIMED` names)."""

@@ -273,3 +273,30 @@ def solve_feasible(prob: Problem) -> bool:
 
     tables, E, BwE = prepare(prob)
     return feasible(prob, top_level(prob, E, BwE), TAU_INF) is not None
+
+
+def under_schedule(plan: Plan, profile: Profile, schedule: str, microbatches: int) -> Plan:
+    """A copy of ``plan``, made by :func:`plan` on ``profile`` without a memory limit, as
+    :func:`plan` makes it for ``schedule`` at ``microbatches``: the same stages, their memory
+    by that schedule's rule (:func:`~pipetrain.plan.stage_memory.stage_memory`) and the
+    options saying so. The dynamic program reads the memory rule only against a limit, so
+    without one its answer is every schedule's (the automatic choice plans each unit size
+    once for its 2bw, flush and zero-bubble candidates).
+
+    Raises:
+        PlanError: ``plan`` was made under a memory limit, or ``schedule`` has no memory rule.
+    """
+    import copy
+
+    if plan.extra.get("memory_limit") is not None:
+        raise PlanError(f"a plan made under a memory limit ({plan.extra['memory_limit']:.4g} bytes) is its "
+                        f"schedule's alone; plan again for {schedule!r}")
+    if schedule not in MEMORY_SCHEDULES:
+        raise PlanError(f"unknown schedule {schedule!r}; choose one of {', '.join(MEMORY_SCHEDULES)}")
+    out = copy.deepcopy(plan)
+    options = out.extra.setdefault("options", {})
+    options.update(schedule=schedule, microbatches=microbatches)
+    held = precision_profile(profile, str(options.get("precision", "fp32")))
+    for stage, nbytes in zip(out.stages, stage_memory(held, out.stages, schedule, microbatches)):
+        stage.memory_bytes = nbytes
+    return out

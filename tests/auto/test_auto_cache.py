@@ -183,6 +183,34 @@ def test_a_repeated_choice_solves_no_plan_again(monkeypatch: pytest.MonkeyPatch)
     assert len(solves) >= 2
 
 
+
+def test_the_microbatched_schedules_share_their_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a memory limit the dynamic program's answer is every schedule's: 2bw, flush
+    and zero-bubble at one microbatch count solve what flush alone solves (the old code solved
+    2bw's again), and each candidate's plan carries its own schedule's memory rule."""
+    plan_api = importlib.import_module("pipetrain.plan.api")
+
+    Counts(monkeypatch)
+    solves = []
+    real_plan = plan_api.plan
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        solves.append(1)
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(plan_api, "plan", counted)
+    kwargs: dict[str, Any] = dict(batch_size=16, workers=2, model_name="mlp", repeats=1, microbatches=2,
+                                  calibration=make_cal(1000 * MBIT), cache_key={"model": "mlp", "options": OPTIONS})
+    choose(model_at, schedules=["flush"], cache=MeasurementCache(tmp_path / "a"), **kwargs)
+    alone = len(solves)
+    solves.clear()
+    three = choose(model_at, schedules=["flush", "2bw", "zerobubble"], cache=MeasurementCache(tmp_path / "b"),
+                   **kwargs)
+    assert alone >= 1 and len(solves) == alone, (alone, solves)
+    rules = {c.schedule: c.plan.extra["options"]["schedule"] for c in three.candidates if c.plan is not None}
+    assert rules == {"flush": "flush", "2bw": "2bw", "zerobubble": "flush"}, rules
+
+
 def test_without_a_model_key_only_the_calibration_is_kept(private_cache: Path, monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
     counts = Counts(monkeypatch)

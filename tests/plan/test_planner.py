@@ -461,3 +461,26 @@ def test_filling_idle_workers_respects_memory() -> None:
         assert all(s.memory_bytes <= limit for s in p.stages)
         lean = plan(prof, Topology.flat(8, 1e9, limit), PlanOptions(cost_model="pipedream", use_all_workers=False))
         assert lean.num_workers <= p.num_workers and lean.predicted_time == pytest.approx(p.predicted_time, rel=1e-12)
+
+
+@pytest.mark.parametrize("path", [PROFILES / "vgg16.txt", PROFILES / "gnmt.txt"], ids=lambda p: p.stem)
+def test_a_plan_without_a_memory_limit_is_every_schedule_s(path: Path) -> None:
+    """``under_schedule``: the plan solved under one memory rule, given another schedule's,
+    is the plan :func:`plan` makes for that schedule (stages, memory, options) when no
+    memory limit applies; under a limit it is refused."""
+    from pipetrain.plan.api import under_schedule
+    from pipetrain.plan.stage_memory import MEMORY_SCHEDULES
+
+    prof = load_profile(path)
+    topo = parse_topology("8", "1.25e9")
+    base = plan(prof, topo, PlanOptions(schedule="pipedream", microbatches=1))
+    for schedule, m in itertools.product(MEMORY_SCHEDULES, (1, 4)):
+        want = plan(prof, topo, PlanOptions(schedule=schedule, microbatches=m)).to_dict()
+        got = under_schedule(base, prof, schedule, m).to_dict()
+        for d in (want, got):
+            d.pop("solve_seconds", None)
+        assert got == want, (schedule, m)
+    assert base.extra["options"]["schedule"] == "pipedream"  # the copy is the one changed
+    limited = plan(prof, topo, PlanOptions(memory_limit=64e9))
+    with pytest.raises(PlanError, match="memory limit"):
+        under_schedule(limited, prof, "flush", 4)
