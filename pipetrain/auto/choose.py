@@ -79,9 +79,8 @@ from ..plan.types import Plan
 from .measured import AutoMeasurements
 
 if TYPE_CHECKING:
-    from multiprocessing.context import BaseContext
-
     from ..cluster.calibration import Calibration
+    from ..cluster.measure import RankProcesses
     from ..graph.capture import CapturedModel
     from ..profile.cache import MeasurementCache
     from ..profile.types import Profile
@@ -421,7 +420,7 @@ def choose(model_at: ModelAt, *, batch_size: int, workers: int, optimizer: str =
            accept: Callable[[Candidate, Any], str | None] | None = None,
            cache: MeasurementCache | None = None, cache_key: Mapping[str, Any] | None = None,
            rehearse: Rehearse | None = None, malloc_tuned: bool = False,
-           processes: BaseContext | None = None) -> AutoChoice:
+           processes: RankProcesses | None = None) -> AutoChoice:
     """The fastest configuration of the model on ``workers`` ranks (module docstring).
 
     Args:
@@ -660,7 +659,7 @@ def _cache_settings(optimizer: str, momentum: float, threads: int | None, repeat
             "malloc": "workers' tuning" if malloc_tuned else "glibc defaults"}
 
 
-def _measure_calibration(workers: int, threads: int | None, processes: BaseContext | None) -> Calibration:
+def _measure_calibration(workers: int, threads: int | None, processes: RankProcesses | None) -> Calibration:
     """A loopback calibration measured now at ``workers`` ranks of ``threads`` threads."""
     from ..plan.calibrated import MEASURE, resolve_calibration
 

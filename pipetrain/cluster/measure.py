@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 from datetime import datetime, timezone
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext, SpawnContext
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,11 @@ from .calibration import Calibration, Sample, fit_samples
 from .errors import CalibrationError, ClusterError
 from .netns import EmulatedCluster
 
-__all__ = ["calibrate", "CALIBRATION_PORT"]
+__all__ = ["calibrate", "CALIBRATION_PORT", "RankProcesses"]
+
+#: A ``multiprocessing`` context that loopback ranks can be started with (the runtime's fork
+#: server, or ``spawn`` where a platform has no fork server).
+RankProcesses = ForkServerContext | SpawnContext
 
 CALIBRATION_PORT = 29510  # the store's port inside an emulated host (each host has its own port space)
 
@@ -48,7 +52,7 @@ def _worker_argv(rank: int, world: int, master: str, max_message_seconds: float,
 
 
 def calibrate(cluster: EmulatedCluster | None = None, ranks: int = 2, max_message_seconds: float = 0.1,
-              timeout: float = 60.0, threads: int = 1, processes: BaseContext | None = None) -> Calibration:
+              timeout: float = 60.0, threads: int = 1, processes: RankProcesses | None = None) -> Calibration:
     """Measure point-to-point and all-reduce costs of the current hosts and fit them.
 
     Args:
@@ -137,7 +141,7 @@ def _run_scripts(cluster: EmulatedCluster | None, ranks: int, master: str, max_m
                 p.wait(timeout=5)
 
 
-def _run_forked(processes: BaseContext, ranks: int, master: str, max_message_seconds: float, timeout: float,
+def _run_forked(processes: RankProcesses, ranks: int, master: str, max_message_seconds: float, timeout: float,
                 threads: int) -> str:
     """Every rank on loopback a process of ``processes`` (:func:`.gloo_probe.forked_rank`);
     rank 0's output."""
@@ -145,7 +149,7 @@ def _run_forked(processes: BaseContext, ranks: int, master: str, max_message_sec
     with tempfile.TemporaryDirectory(prefix="pipetrain-calibrate-") as tmp:
         logs = [os.path.join(tmp, f"rank{r}.log") for r in range(ranks)]
         result = os.path.join(tmp, "result.json")
-        procs = [processes.Process(target=gloo_probe.forked_rank, daemon=True,  # type: ignore[attr-defined]
+        procs = [processes.Process(target=gloo_probe.forked_rank, daemon=True,
                                    args=(r, ranks, master, max_message_seconds, timeout, threads, logs[r], result))
                  for r in range(ranks)]
         try:

@@ -36,9 +36,8 @@ from .cost import CostParams
 from .types import Plan, Topology
 
 if TYPE_CHECKING:
-    from multiprocessing.context import BaseContext
-
     from ..cluster.calibration import Calibration
+    from ..cluster.measure import RankProcesses
     from ..profile.types import Profile
 
 __all__ = ["MEASURE", "resolve_calibration", "calibrated_params", "calibrated_topology", "plan_with_calibration",
@@ -49,7 +48,7 @@ MEASURE = "measure"
 
 
 def resolve_calibration(value: str | Path | Calibration | None, ranks: int = 2,
-                        threads: int | None = None, processes: BaseContext | None = None) -> Calibration | None:
+                        threads: int | None = None, processes: RankProcesses | None = None) -> Calibration | None:
     """A calibration from a file path, ``"measure"`` (``ranks`` ranks on loopback, now, so the
     all-reduce fit is at that count; ``threads``: torch threads per rank of its compute probe,
     default 1; ``processes``: how its ranks start, :func:`pipetrain.cluster.measure.calibrate`),

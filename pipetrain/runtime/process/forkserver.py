@@ -22,7 +22,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from multiprocessing.context import BaseContext
+from multiprocessing.context import ForkServerContext
 from typing import Any
 
 from .orphans import exit_launcher_gone, exit_with_launcher, process_alive
@@ -61,7 +61,7 @@ def start_server() -> None:
             os.environ.pop("OMP_NUM_THREADS", None)
 
 
-def server_processes() -> BaseContext | None:
+def server_processes() -> ForkServerContext | None:
     """The fork server's ``multiprocessing`` context, the server started now if it is not
     yet, for short-lived processes that need torch beside the workers (a calibration's ranks,
     :func:`pipetrain.cluster.measure.calibrate`); None where this platform has no fork server.
