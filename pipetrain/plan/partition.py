@@ -423,14 +423,13 @@ def prepare(prob: Problem) -> tuple[list[InnerTable], np.ndarray, np.ndarray]:
 
 
 def _search_values(prob: Problem, top: TopLevel, E: np.ndarray, BwE: np.ndarray, values: np.ndarray,
-                   best: list[tuple[int, int, int]], hi: float,
-                   lo: float) -> tuple[list[tuple[int, int, int]], float, int]:
+                   best: list[tuple[int, int, int]], hi: float) -> tuple[list[tuple[int, int, int]], float, int]:
     """Bisection over ``values``, every time a plan can take (:meth:`CostModel.limits`; a
-    plan's time is its largest term), from the lower bound ``lo`` to below ``hi``, the time
-    of the plan ``best``: the least feasible one is the optimum, found in ``log2`` of their
+    plan's time is its largest term) from the lower bound to below ``hi``, the time of the
+    plan ``best``, sorted: the least feasible one is the optimum, found in ``log2`` of their
     count steps without a tolerance. Returns the best plan, its time and the steps taken."""
     steps = 0
-    cand = values[(values >= lo * (1.0 - 1e-9)) & (values < hi)]  # lo: the rounding of an exact bound
+    cand = values
     while len(cand):
         i = len(cand) // 2
         e = feasible(prob, top, float(cand[i]))
@@ -485,7 +484,7 @@ def solve(prob: Problem) -> Solution | None:
     best = elems
     values = prob.model.limits(top.prep, lo * (1.0 - 1e-9), hi)  # lo: the rounding of an exact bound
     if values is not None:
-        best, hi, more = _search_values(prob, top, E, BwE, values, best, hi, lo)
+        best, hi, more = _search_values(prob, top, E, BwE, values, best, hi)
     else:
         best, hi, lo, more = _search_geometric(prob, top, E, BwE, best, hi, lo)
     steps += more

@@ -155,13 +155,10 @@ def test_a_launcher_forks_its_calibration_ranks_from_the_fork_server(tmp_path: P
     assert processes is not None and processes.get_start_method() == start_method() == "forkserver"
 
 
-def test_a_repeated_choice_solves_no_plan_again(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The plans made on cached measurements are kept too (kind ``plan``): a repeated choice
-    gives the same candidates without solving; other costs are solved again."""
+def counted_solves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A list that grows by one with every solve of the dynamic program (``plan.api.plan``)."""
     plan_api = importlib.import_module("pipetrain.plan.api")
-
-    Counts(monkeypatch)
-    solves = []
+    solves: list[int] = []
     real_plan = plan_api.plan
 
     def counted(*args: Any, **kwargs: Any) -> Any:
@@ -169,6 +166,14 @@ def test_a_repeated_choice_solves_no_plan_again(monkeypatch: pytest.MonkeyPatch)
         return real_plan(*args, **kwargs)
 
     monkeypatch.setattr(plan_api, "plan", counted)
+    return solves
+
+
+def test_a_repeated_choice_solves_no_plan_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plans made on cached measurements are kept too (kind ``plan``): a repeated choice
+    gives the same candidates without solving; other costs are solved again."""
+    Counts(monkeypatch)
+    solves = counted_solves(monkeypatch)
     kwargs: dict[str, Any] = dict(batch_size=16, workers=2, model_name="mlp", repeats=1,
                                   schedules=["flush", "pipedream"], microbatches=2,
                                   cache_key={"model": "mlp", "options": OPTIONS})
@@ -183,22 +188,12 @@ def test_a_repeated_choice_solves_no_plan_again(monkeypatch: pytest.MonkeyPatch)
     assert len(solves) >= 2
 
 
-
 def test_the_microbatched_schedules_share_their_plans(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a memory limit the dynamic program's answer is every schedule's: 2bw, flush
     and zero-bubble at one microbatch count solve what flush alone solves (the old code solved
     2bw's again), and each candidate's plan carries its own schedule's memory rule."""
-    plan_api = importlib.import_module("pipetrain.plan.api")
-
     Counts(monkeypatch)
-    solves = []
-    real_plan = plan_api.plan
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        solves.append(1)
-        return real_plan(*args, **kwargs)
-
-    monkeypatch.setattr(plan_api, "plan", counted)
+    solves = counted_solves(monkeypatch)
     kwargs: dict[str, Any] = dict(batch_size=16, workers=2, model_name="mlp", repeats=1, microbatches=2,
                                   calibration=make_cal(1000 * MBIT), cache_key={"model": "mlp", "options": OPTIONS})
     choose(model_at, schedules=["flush"], cache=MeasurementCache(tmp_path / "a"), **kwargs)
@@ -291,4 +286,3 @@ def test_a_repeated_choice_at_the_whole_minibatch_traces_the_model_once(tmp_path
     assert (again.model is None) == (first.model is None)
     if again.model is not None and first.model is not None:
         assert again.model.unit_batch == first.model.unit_batch == again.batch_size
-

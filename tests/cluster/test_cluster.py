@@ -181,25 +181,15 @@ def test_two_emulated_hosts_train_a_two_stage_pipeline(capsys: pytest.CaptureFix
     assert _cli(capsys, [*COMMON, "--workers", "1"])["losses"] == pytest.approx(out["losses"], rel=1e-5)
 
 
-def test_calibration_on_loopback_is_positive_and_finite() -> None:
-    from pipetrain.cluster.measure import calibrate
-
-    cal = calibrate(None, ranks=2, timeout=60)
-    for fit in (cal.p2p, cal.allreduce):
-        assert 0 < fit.latency_seconds < 1 and math.isfinite(fit.latency_seconds)
-        assert 0 < fit.bandwidth_bytes_per_second < math.inf
-    assert cal.where == "loopback" and {s.kind for s in cal.samples} == {"p2p", "allreduce"}
-    assert 1.0 <= cal.compute_slowdown < 10
-
-
-def test_calibration_ranks_forked_from_the_fork_server() -> None:
-    """The launcher's way (``processes``): the same measurements, the ranks forked from the
-    server that has imported torch."""
+@pytest.mark.parametrize("forked", [False, True], ids=["interpreters", "fork-server"])
+def test_calibration_on_loopback_is_positive_and_finite(forked: bool) -> None:
+    """Ranks as fresh interpreters, or forked from the server that has imported torch (the
+    launcher's way, ``processes``): the same measurements."""
     from pipetrain.cluster.measure import calibrate
     from pipetrain.runtime.process.forkserver import server_processes
 
-    processes = server_processes()
-    assert processes is not None
+    processes = server_processes() if forked else None
+    assert processes is not None or not forked
     cal = calibrate(None, ranks=2, timeout=60, processes=processes)
     for fit in (cal.p2p, cal.allreduce):
         assert 0 < fit.latency_seconds < 1 and math.isfinite(fit.latency_seconds)

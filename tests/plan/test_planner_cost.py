@@ -79,7 +79,6 @@ def test_min_replicas_matches_a_scan(model) -> None:
             assert ok1[i] == (model.term(lv, E[i], Bw[i], P[i], Xs[i], Xe[i], 1.0) <= tau)
 
 
-
 @pytest.mark.parametrize("model", [PipeDreamCost(), PipetrainCost(CostParams(latency=3e-5, overlap=0.7))])
 def test_min_replicas_and_limits_from_the_table_match_a_scan(model) -> None:
     """Tabulated (up to 6 replicas): the least count that meets each limit, ``inf`` past the
